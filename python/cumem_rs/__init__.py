@@ -1,0 +1,39 @@
+"""cumem_rs: put PyTorch GPU memory to sleep and wake it up at the same virtual addresses.
+
+`Allocator` is the core (Rust) allocator over a driver: `Allocator.cuda()` for the GPU, `Allocator.simulated()`
+for the host-emulated device. `CuMemAllocator` is the vLLM-compatible torch layer; it is imported lazily so that
+`import cumem_rs` works without torch.
+"""
+
+from ._native import (
+    FAULT_ERRORS,
+    FAULT_OPS,
+    Allocator,
+    ClosedError,
+    CumemError,
+    CumemOutOfMemoryError,
+    DriverError,
+    __version__,
+    cuda_available,
+)
+
+__all__ = [
+    "Allocator",
+    "ClosedError",
+    "CuMemAllocator",
+    "CumemError",
+    "CumemOutOfMemoryError",
+    "DriverError",
+    "FAULT_ERRORS",
+    "FAULT_OPS",
+    "__version__",
+    "cuda_available",
+]
+
+
+def __getattr__(name: str):
+    if name == "CuMemAllocator":
+        from .allocator import CuMemAllocator
+
+        return CuMemAllocator
+    raise AttributeError(f"module 'cumem_rs' has no attribute {name!r}")

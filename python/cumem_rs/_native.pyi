@@ -1,0 +1,96 @@
+"""Type stubs for the Rust extension module `cumem_rs._native`.
+
+Addresses are plain ints (device virtual addresses; on the simulated driver they are host addresses of
+`mmap` reservations, which stay the same across sleep/wake exactly as on a GPU).
+"""
+
+from typing import Optional, Sequence, Union
+
+__version__: str
+
+#: Operation names accepted by `Allocator.inject_fault` (simulated driver only).
+FAULT_OPS: list[str]
+#: Error kinds accepted by `Allocator.inject_fault`.
+FAULT_ERRORS: list[str]
+
+class CumemError(RuntimeError):
+    """Base class of every error raised by cumem_rs."""
+
+class CumemOutOfMemoryError(CumemError):
+    """Physical device memory (or host backup memory) ran out."""
+
+class DriverError(CumemError):
+    """A driver call failed; the message names the operation and the CUDA error."""
+
+class ClosedError(CumemError):
+    """The allocator was closed; no further calls are possible."""
+
+def cuda_available() -> bool:
+    """True when libcuda can be loaded and reports at least one device. Never raises."""
+
+def is_cuda_allocator_ready() -> bool:
+    """True once the process-wide CUDA allocator behind `my_malloc`/`my_free` has been created."""
+
+class Allocator:
+    """Virtual-memory allocator over one driver (simulated or CUDA)."""
+
+    @staticmethod
+    def simulated(
+        devices: int = 1, capacity: int = 1 << 30, granularity: int = 2 << 20
+    ) -> "Allocator":
+        """A fresh allocator over a new simulated driver. `capacity` is physical bytes per device."""
+    @staticmethod
+    def cuda() -> "Allocator":
+        """The process-wide CUDA allocator (the one `my_malloc`/`my_free` use). Raises CumemError without a GPU."""
+    @property
+    def backend(self) -> str:
+        """"sim" or "cuda"."""
+    def device_count(self) -> int: ...
+    def granularity(self, device: int = 0) -> int: ...
+    def mem_info(self, device: int = 0) -> tuple[int, int]:
+        """(free, total) physical bytes of the device."""
+    def malloc(self, size: int, device: int = 0, stream: int = 0) -> int:
+        """Reserve, create, map `size` bytes (rounded up to the granularity) under the current tag."""
+    def free(self, address: int) -> None:
+        """Free a live allocation, awake or asleep (its backup is released too)."""
+    def push_tag(self, tag: str) -> None:
+        """Make `tag` the current tag of the calling thread (a stack; innermost wins)."""
+    def pop_tag(self) -> str:
+        """Undo the last push_tag of this thread and return its tag."""
+    def current_tag(self) -> str:
+        """Innermost tag of this thread, "default" when the stack is empty."""
+    def sleep(self, offload_tags: Union[str, Sequence[str]] = ...) -> dict:
+        """Back up awake allocations of `offload_tags` to host memory, then release the physical memory of all
+        awake allocations. Returns {"backed_up": bytes, "discarded": bytes, "allocations": n, "seconds": s}."""
+    def wake_up(self, tags: Optional[Union[str, Sequence[str]]] = None) -> dict:
+        """Map new physical memory at the same addresses for asleep allocations of `tags` (None = all) and copy
+        backups back. Transactional: on failure nothing is woken and the backups are kept."""
+    def discard(self, tags: Union[str, Sequence[str]]) -> dict:
+        """Release awake allocations of `tags` without backup (contents undefined after wake)."""
+    def read(self, address: int, size: int) -> bytes:
+        """Copy `size` bytes at `address` (inside one awake allocation) to host."""
+    def write(self, address: int, data: bytes) -> None:
+        """Copy `data` to `address` (inside one awake allocation)."""
+    def usage(self, device: Optional[int] = None) -> int:
+        """Mapped (physical) bytes held by this allocator, on one device or all."""
+    def allocations(self) -> list[dict]:
+        """One dict per live allocation: address, size, requested, device, tag, asleep, backed_up."""
+    def stats(self) -> dict:
+        """Counters: live allocations, mapped/asleep/host bytes, last sleep and wake reports, error counts."""
+    def host_bytes(self) -> int:
+        """Host backup bytes held (in use by asleep allocations plus cached for the next sleep)."""
+    def set_keep_host_memory(self, keep: bool) -> None:
+        """Keep host backup memory after wake for a fast next sleep (True, default) or return it (False)."""
+    def reserve_host(self, nbytes: int) -> None:
+        """Acquire and pin `nbytes` of host backup memory now, ahead of the first sleep."""
+    def trim_host(self) -> int:
+        """Return cached, unused host backup memory to the OS; returns bytes released."""
+    def errors(self) -> list[str]:
+        """Errors recorded by calls that could not raise (my_free), oldest first."""
+    def inject_fault(self, op: str, nth: int = 1, error: str = "unknown") -> None:
+        """Simulated driver only: the `nth` next call of `op` fails with `error` (see FAULT_OPS, FAULT_ERRORS)."""
+    def clear_faults(self) -> None: ...
+    def driver_counts(self) -> dict:
+        """Simulated driver only: live ranges, handles, host registrations, mapped bytes, per-op call counts."""
+    def close(self) -> None:
+        """Free every allocation and host buffer. Later calls raise ClosedError. Idempotent."""

@@ -1,0 +1,344 @@
+//! The real CUDA driver, loaded at run time through cudarc's dynamic loading: the wheel imports on machines
+//! without a GPU and works with any driver that has the VMM API.
+//!
+//! Contexts: every call first makes the device's primary context current (retaining it once, lazily, so that a
+//! process that only uses device 1 never creates a context on device 0). Loading the same libcuda.so.1 as torch
+//! means this is the very context torch uses, so pointers and streams are shared.
+
+use std::ffi::{c_void, CStr};
+use std::sync::OnceLock;
+
+use cudarc::driver::sys::{self, CUresult};
+
+use super::{DevPtr, Driver, HostPtr, Op, PhysHandle};
+use crate::error::{Error, Result};
+
+/// Per-device state, created on first use of the device.
+struct DeviceState {
+    ctx: sys::CUcontext,
+    /// Non-blocking stream that carries sleep/wake copies.
+    copy_stream: sys::CUstream,
+}
+
+// SAFETY: CUDA contexts and streams are process-wide handles, valid from any thread.
+unsafe impl Send for DeviceState {}
+// SAFETY: as above; the handles are never mutated after creation.
+unsafe impl Sync for DeviceState {}
+
+struct Device {
+    ordinal: sys::CUdevice,
+    granularity: usize,
+    rdma_with_vmm: bool,
+    state: OnceLock<std::result::Result<DeviceState, Error>>,
+}
+
+pub struct CudaDriver {
+    devices: Vec<Device>,
+    driver_version: i32,
+}
+
+/// Public facts about a device, for `info`.
+#[derive(Debug, Clone)]
+pub struct DeviceInfo {
+    pub name: String,
+    pub granularity: usize,
+    pub rdma_with_vmm: bool,
+}
+
+fn error_name(code: CUresult) -> String {
+    let mut p: *const std::ffi::c_char = std::ptr::null();
+    // SAFETY: cuGetErrorName writes a pointer to a static string or leaves it null.
+    let r = unsafe { sys::cuGetErrorName(code, &mut p) };
+    if r == CUresult::CUDA_SUCCESS && !p.is_null() {
+        // SAFETY: non-null pointer to a NUL-terminated static string owned by the driver.
+        unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned()
+    } else {
+        format!("{code:?}")
+    }
+}
+
+fn check(op: &'static str, r: CUresult) -> Result<()> {
+    if r == CUresult::CUDA_SUCCESS {
+        Ok(())
+    } else {
+        Err(Error::driver(op, r as i32, error_name(r)))
+    }
+}
+
+/// Whether libcuda can be loaded; never panics.
+pub fn library_present() -> bool {
+    // SAFETY: only tries to dlopen the library.
+    std::panic::catch_unwind(|| unsafe { sys::is_culib_present() }).unwrap_or(false)
+}
+
+impl CudaDriver {
+    /// Load libcuda, initialise it and describe every device. Errors (no library, no device, no VMM support)
+    /// come back as `Error::NoCuda`, never as a panic.
+    pub fn new() -> Result<CudaDriver> {
+        if !library_present() {
+            return Err(Error::NoCuda("libcuda.so could not be loaded (no NVIDIA driver on this machine)".into()));
+        }
+        std::panic::catch_unwind(Self::init).unwrap_or_else(|p| {
+            Err(Error::NoCuda(format!("loading the CUDA driver panicked: {}", crate::panic_message(&p))))
+        })
+    }
+
+    fn init() -> Result<CudaDriver> {
+        let no_cuda = |e: Error| Error::NoCuda(e.to_string());
+        // SAFETY: plain driver calls with valid out-pointers.
+        unsafe {
+            check("cuInit", sys::cuInit(0)).map_err(no_cuda)?;
+            let mut version = 0;
+            check("cuDriverGetVersion", sys::cuDriverGetVersion(&mut version)).map_err(no_cuda)?;
+            let mut count = 0;
+            check("cuDeviceGetCount", sys::cuDeviceGetCount(&mut count)).map_err(no_cuda)?;
+            if count == 0 {
+                return Err(Error::NoCuda("the CUDA driver reports no device".into()));
+            }
+            let mut devices = Vec::with_capacity(count as usize);
+            for i in 0..count {
+                let mut dev = 0;
+                check("cuDeviceGet", sys::cuDeviceGet(&mut dev, i)).map_err(no_cuda)?;
+                let vmm = attribute(dev, sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED)?;
+                if vmm == 0 {
+                    return Err(Error::NoCuda(format!("device {i} does not support virtual memory management")));
+                }
+                let rdma =
+                    attribute(dev, sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED)? != 0;
+                let prop = allocation_prop(dev, false);
+                let mut granularity = 0usize;
+                check(
+                    "cuMemGetAllocationGranularity",
+                    sys::cuMemGetAllocationGranularity(
+                        &mut granularity,
+                        &prop,
+                        sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_MINIMUM,
+                    ),
+                )
+                .map_err(no_cuda)?;
+                devices.push(Device { ordinal: dev, granularity, rdma_with_vmm: rdma, state: OnceLock::new() });
+            }
+            Ok(CudaDriver { devices, driver_version: version })
+        }
+    }
+
+    pub fn driver_version(&self) -> i32 {
+        self.driver_version
+    }
+
+    pub fn device_info(&self, device: i32) -> Result<DeviceInfo> {
+        let d = self.device(device)?;
+        let mut name = [0 as std::ffi::c_char; 256];
+        // SAFETY: the buffer holds 256 bytes and the driver writes a NUL-terminated name into it.
+        unsafe { check("cuDeviceGetName", sys::cuDeviceGetName(name.as_mut_ptr(), 256, d.ordinal))? };
+        // SAFETY: NUL-terminated by the driver (and zero-initialised).
+        let name = unsafe { CStr::from_ptr(name.as_ptr()) }.to_string_lossy().into_owned();
+        Ok(DeviceInfo { name, granularity: d.granularity, rdma_with_vmm: d.rdma_with_vmm })
+    }
+
+    fn device(&self, device: i32) -> Result<&Device> {
+        usize::try_from(device)
+            .ok()
+            .and_then(|i| self.devices.get(i))
+            .ok_or_else(|| Error::invalid(format!("device {device} does not exist ({} devices)", self.devices.len())))
+    }
+
+    /// Make `device`'s primary context current on this thread (retaining it on first use) and return its state.
+    fn enter(&self, device: i32) -> Result<&DeviceState> {
+        let d = self.device(device)?;
+        let state = d.state.get_or_init(|| {
+            // SAFETY: driver calls with valid out-pointers; the retained context is never released, as torch
+            // keeps the same primary context for the life of the process.
+            unsafe {
+                let mut ctx = std::ptr::null_mut();
+                check("cuDevicePrimaryCtxRetain", sys::cuDevicePrimaryCtxRetain(&mut ctx, d.ordinal))?;
+                check("cuCtxSetCurrent", sys::cuCtxSetCurrent(ctx))?;
+                let mut stream = std::ptr::null_mut();
+                check(
+                    "cuStreamCreate",
+                    sys::cuStreamCreate(&mut stream, sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32),
+                )?;
+                Ok(DeviceState { ctx, copy_stream: stream })
+            }
+        });
+        let state = state.as_ref().map_err(Clone::clone)?;
+        let mut current = std::ptr::null_mut();
+        // SAFETY: valid out-pointer; setting a retained primary context is always allowed.
+        unsafe {
+            check("cuCtxGetCurrent", sys::cuCtxGetCurrent(&mut current))?;
+            if current != state.ctx {
+                check("cuCtxSetCurrent", sys::cuCtxSetCurrent(state.ctx))?;
+            }
+        }
+        Ok(state)
+    }
+}
+
+fn attribute(dev: sys::CUdevice, attr: sys::CUdevice_attribute) -> Result<i32> {
+    let mut v = 0;
+    // SAFETY: valid out-pointer and device ordinal.
+    unsafe { check("cuDeviceGetAttribute", sys::cuDeviceGetAttribute(&mut v, attr, dev)) }
+        .map_err(|e| Error::NoCuda(e.to_string()))?;
+    Ok(v)
+}
+
+fn location(dev: sys::CUdevice) -> sys::CUmemLocation {
+    sys::CUmemLocation { type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE, id: dev }
+}
+
+fn allocation_prop(dev: sys::CUdevice, rdma: bool) -> sys::CUmemAllocationProp {
+    // SAFETY: CUmemAllocationProp is a plain C struct for which all-zero is the documented default.
+    let mut prop: sys::CUmemAllocationProp = unsafe { std::mem::zeroed() };
+    prop.type_ = sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED;
+    prop.location = location(dev);
+    prop.allocFlags.gpuDirectRDMACapable = u8::from(rdma);
+    prop
+}
+
+impl Driver for CudaDriver {
+    fn backend(&self) -> &'static str {
+        "cuda"
+    }
+
+    fn device_count(&self) -> Result<usize> {
+        Ok(self.devices.len())
+    }
+
+    fn granularity(&self, device: i32) -> Result<usize> {
+        Ok(self.device(device)?.granularity)
+    }
+
+    fn mem_info(&self, device: i32) -> Result<(usize, usize)> {
+        self.enter(device)?;
+        let (mut free, mut total) = (0usize, 0usize);
+        // SAFETY: valid out-pointers; the device's context is current.
+        unsafe { check("cuMemGetInfo", sys::cuMemGetInfo_v2(&mut free, &mut total))? };
+        Ok((free, total))
+    }
+
+    fn reserve(&self, device: i32, size: usize) -> Result<DevPtr> {
+        let gran = self.device(device)?.granularity;
+        self.enter(device)?;
+        let mut ptr: sys::CUdeviceptr = 0;
+        // SAFETY: valid out-pointer; alignment is the device's granularity.
+        unsafe { check(Op::Reserve.name(), sys::cuMemAddressReserve(&mut ptr, size, gran, 0, 0))? };
+        Ok(ptr)
+    }
+
+    fn free_range(&self, addr: DevPtr, size: usize) -> Result<()> {
+        // SAFETY: frees a range this driver reserved; the engine unmapped it first.
+        unsafe { check(Op::FreeRange.name(), sys::cuMemAddressFree(addr, size)) }
+    }
+
+    fn create(&self, device: i32, size: usize) -> Result<PhysHandle> {
+        let d = self.device(device)?;
+        self.enter(device)?;
+        let prop = allocation_prop(d.ordinal, d.rdma_with_vmm);
+        let mut handle: sys::CUmemGenericAllocationHandle = 0;
+        // SAFETY: valid out-pointer and property struct.
+        unsafe { check(Op::Create.name(), sys::cuMemCreate(&mut handle, size, &prop, 0))? };
+        Ok(PhysHandle(handle))
+    }
+
+    fn release(&self, handle: PhysHandle) -> Result<()> {
+        // SAFETY: releases a handle this driver created, once (the engine drops it from its records).
+        unsafe { check(Op::Release.name(), sys::cuMemRelease(handle.0)) }
+    }
+
+    fn map(&self, addr: DevPtr, size: usize, handle: PhysHandle) -> Result<()> {
+        // SAFETY: maps our handle into our reserved range; the driver validates both.
+        unsafe { check(Op::Map.name(), sys::cuMemMap(addr, size, 0, handle.0, 0)) }
+    }
+
+    fn unmap(&self, addr: DevPtr, size: usize) -> Result<()> {
+        // SAFETY: unmaps our own mapping after the engine made sure no work uses it.
+        unsafe { check(Op::Unmap.name(), sys::cuMemUnmap(addr, size)) }
+    }
+
+    fn set_access(&self, device: i32, addr: DevPtr, size: usize) -> Result<()> {
+        let d = self.device(device)?;
+        let desc = sys::CUmemAccessDesc {
+            location: location(d.ordinal),
+            flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+        };
+        // SAFETY: one valid access descriptor for our mapped range.
+        unsafe { check(Op::SetAccess.name(), sys::cuMemSetAccess(addr, size, &desc, 1)) }
+    }
+
+    fn copy_d2h(&self, device: i32, dst: HostPtr, src: DevPtr, size: usize) -> Result<()> {
+        let st = self.enter(device)?;
+        // SAFETY: dst points into a live host buffer of at least `size` bytes that the engine keeps alive until
+        // `wait`; the driver validates the device range.
+        unsafe {
+            check(
+                Op::CopyD2H.name(),
+                sys::cuMemcpyDtoHAsync_v2(dst.0 as *mut c_void, src, size, st.copy_stream),
+            )
+        }
+    }
+
+    fn copy_h2d(&self, device: i32, dst: DevPtr, src: HostPtr, size: usize) -> Result<()> {
+        let st = self.enter(device)?;
+        // SAFETY: as in copy_d2h, with the roles swapped.
+        unsafe {
+            check(
+                Op::CopyH2D.name(),
+                sys::cuMemcpyHtoDAsync_v2(dst, src.0 as *const c_void, size, st.copy_stream),
+            )
+        }
+    }
+
+    fn wait(&self, device: i32) -> Result<()> {
+        let st = self.enter(device)?;
+        // SAFETY: our own stream.
+        unsafe { check(Op::Wait.name(), sys::cuStreamSynchronize(st.copy_stream)) }
+    }
+
+    fn synchronize(&self, device: i32, stream: u64) -> Result<()> {
+        self.enter(device)?;
+        if stream != 0 {
+            let mut status = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
+            // SAFETY: `stream` is the live stream torch handed to my_malloc/my_free; valid out-pointer.
+            unsafe {
+                check("cuStreamIsCapturing", sys::cuStreamIsCapturing(stream as sys::CUstream, &mut status))?
+            };
+            if status != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE {
+                // Synchronizing would invalidate the capture; torch does not hand memory back mid-capture anyway.
+                return Ok(());
+            }
+        }
+        // SAFETY: synchronizes the current (device's primary) context.
+        unsafe { check(Op::Synchronize.name(), sys::cuCtxSynchronize()) }
+    }
+
+    fn host_register(&self, ptr: HostPtr, size: usize) -> Result<()> {
+        self.enter(0)?;
+        // SAFETY: [ptr, ptr+size) is a live mapping owned by a HostBuffer; PORTABLE pins it for every context.
+        unsafe {
+            check(
+                Op::HostRegister.name(),
+                sys::cuMemHostRegister_v2(ptr.0 as *mut c_void, size, sys::CU_MEMHOSTREGISTER_PORTABLE),
+            )
+        }
+    }
+
+    fn host_unregister(&self, ptr: HostPtr) -> Result<()> {
+        self.enter(0)?;
+        // SAFETY: unregisters memory we registered; no copy is in flight (the engine waited).
+        unsafe { check(Op::HostUnregister.name(), sys::cuMemHostUnregister(ptr.0 as *mut c_void)) }
+    }
+
+    fn host_alloc(&self, size: usize) -> Result<HostPtr> {
+        self.enter(0)?;
+        let mut p: *mut c_void = std::ptr::null_mut();
+        // SAFETY: valid out-pointer.
+        unsafe { check(Op::HostAlloc.name(), sys::cuMemHostAlloc(&mut p, size, sys::CU_MEMHOSTALLOC_PORTABLE))? };
+        Ok(HostPtr(p as usize))
+    }
+
+    fn host_free(&self, ptr: HostPtr) -> Result<()> {
+        self.enter(0)?;
+        // SAFETY: frees memory from host_alloc, once.
+        unsafe { check("cuMemFreeHost", sys::cuMemFreeHost(ptr.0 as *mut c_void)) }
+    }
+}

@@ -1,0 +1,129 @@
+//! The handful of driver operations the allocator needs, behind one trait so that the engine runs unchanged on
+//! the real CUDA driver (`cuda.rs`) and on the host emulation (`sim.rs`).
+//!
+//! Addresses are `u64` device virtual addresses. Physical memory is an opaque `PhysHandle`. Host memory given
+//! to the copy functions is described by `HostPtr`s that point into buffers owned by `host.rs`; the engine keeps
+//! those buffers alive until the matching `wait` returned.
+
+pub mod cuda;
+pub mod sim;
+
+use crate::error::Result;
+
+pub type DevPtr = u64;
+
+/// Opaque physical allocation handle (CUmemGenericAllocationHandle on CUDA).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct PhysHandle(pub u64);
+
+/// Raw host address handed to copies. Only `host.rs` creates these from live buffers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct HostPtr(pub usize);
+
+/// The operations of a driver, named as fault-injection targets use them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Op {
+    Reserve,
+    FreeRange,
+    Create,
+    Release,
+    Map,
+    Unmap,
+    SetAccess,
+    CopyD2H,
+    CopyH2D,
+    Wait,
+    Synchronize,
+    HostRegister,
+    HostUnregister,
+    HostAlloc,
+}
+
+impl Op {
+    pub const ALL: [Op; 14] = [
+        Op::Reserve,
+        Op::FreeRange,
+        Op::Create,
+        Op::Release,
+        Op::Map,
+        Op::Unmap,
+        Op::SetAccess,
+        Op::CopyD2H,
+        Op::CopyH2D,
+        Op::Wait,
+        Op::Synchronize,
+        Op::HostRegister,
+        Op::HostUnregister,
+        Op::HostAlloc,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Op::Reserve => "reserve",
+            Op::FreeRange => "free_range",
+            Op::Create => "create",
+            Op::Release => "release",
+            Op::Map => "map",
+            Op::Unmap => "unmap",
+            Op::SetAccess => "set_access",
+            Op::CopyD2H => "copy_d2h",
+            Op::CopyH2D => "copy_h2d",
+            Op::Wait => "wait",
+            Op::Synchronize => "synchronize",
+            Op::HostRegister => "host_register",
+            Op::HostUnregister => "host_unregister",
+            Op::HostAlloc => "host_alloc",
+        }
+    }
+
+    pub fn parse(name: &str) -> Option<Op> {
+        Op::ALL.iter().copied().find(|op| op.name() == name)
+    }
+}
+
+/// Everything the engine asks of a driver. Implementations are thread-safe.
+pub trait Driver: Send + Sync {
+    /// "cuda" or "sim".
+    fn backend(&self) -> &'static str;
+    fn device_count(&self) -> Result<usize>;
+    /// Minimum granularity of physical allocations on `device` (sizes are rounded up to it).
+    fn granularity(&self, device: i32) -> Result<usize>;
+    /// (free, total) physical bytes on `device`.
+    fn mem_info(&self, device: i32) -> Result<(usize, usize)>;
+
+    /// Reserve `size` bytes of virtual address space (no physical memory).
+    fn reserve(&self, device: i32, size: usize) -> Result<DevPtr>;
+    /// Give a reserved range back. It must have no mappings left.
+    fn free_range(&self, addr: DevPtr, size: usize) -> Result<()>;
+    /// Create `size` bytes of physical memory on `device`.
+    fn create(&self, device: i32, size: usize) -> Result<PhysHandle>;
+    /// Release a physical handle (its memory is freed once it is unmapped everywhere).
+    fn release(&self, handle: PhysHandle) -> Result<()>;
+    /// Map `handle` at `addr` (whole handle, offset 0).
+    fn map(&self, addr: DevPtr, size: usize, handle: PhysHandle) -> Result<()>;
+    fn unmap(&self, addr: DevPtr, size: usize) -> Result<()>;
+    /// Make a mapped range readable and writable from `device`.
+    fn set_access(&self, device: i32, addr: DevPtr, size: usize) -> Result<()>;
+
+    /// Queue a device-to-host copy on the engine's copy stream of `device`.
+    fn copy_d2h(&self, device: i32, dst: HostPtr, src: DevPtr, size: usize) -> Result<()>;
+    /// Queue a host-to-device copy on the engine's copy stream of `device`.
+    fn copy_h2d(&self, device: i32, dst: DevPtr, src: HostPtr, size: usize) -> Result<()>;
+    /// Wait until every copy queued on the copy stream of `device` has finished.
+    fn wait(&self, device: i32) -> Result<()>;
+    /// Finish all work on `device` that may still touch its memory. `stream` is the caller's stream (0 = none);
+    /// when that stream is being captured into a CUDA graph, this must not synchronize (and returns Ok).
+    fn synchronize(&self, device: i32, stream: u64) -> Result<()>;
+
+    /// Page-lock (pin) host memory for fast async copies.
+    fn host_register(&self, ptr: HostPtr, size: usize) -> Result<()>;
+    fn host_unregister(&self, ptr: HostPtr) -> Result<()>;
+    /// Fallback pinned allocation when registering fails. Freed with `host_free`.
+    fn host_alloc(&self, size: usize) -> Result<HostPtr>;
+    fn host_free(&self, ptr: HostPtr) -> Result<()>;
+
+    /// The simulated driver's extra controls (fault injection, live counts); None on real drivers.
+    fn as_sim(&self) -> Option<&sim::SimDriver> {
+        None
+    }
+}

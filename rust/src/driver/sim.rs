@@ -1,0 +1,490 @@
+//! Host emulation of the CUDA virtual-memory API, with the same semantics the engine relies on.
+//!
+//! - a virtual range is an `mmap(PROT_NONE)` reservation, so its address is real and stays fixed;
+//! - a physical handle is a `memfd` of the rounded size, counted against a per-device capacity;
+//! - map = `mmap(MAP_FIXED | MAP_SHARED)` of the memfd over the range, still inaccessible until `set_access`
+//!   (as on CUDA, where mapped memory faults until cuMemSetAccess); unmap = `PROT_NONE` reservation again;
+//! - copies are memcpy, after checking the device side is mapped and accessible (CUDA fails such copies too);
+//! - fresh physical memory is filled with `POISON`, so discarded data never silently reads as zero or as the
+//!   old contents;
+//! - fault injection: the n-th next call of an operation fails with a chosen CUDA error code.
+//!
+//! This is shipped code, not a test double: users run their sleep/wake logic on it in CPU-only CI.
+
+use std::collections::{BTreeMap, HashMap};
+use std::ffi::c_void;
+use std::os::fd::OwnedFd;
+
+use parking_lot::Mutex;
+use rustix::fs::{ftruncate, memfd_create, MemfdFlags};
+use rustix::mm::{mmap, mmap_anonymous, mprotect, munmap, MapFlags, MprotectFlags, ProtFlags};
+
+use super::{DevPtr, Driver, HostPtr, Op, PhysHandle};
+use crate::error::{Error, Result};
+
+/// Byte that fills freshly created physical memory.
+pub const POISON: u8 = 0xA5;
+
+/// Error kinds that fault injection can produce, with their CUDA codes.
+pub const FAULT_ERRORS: [(&str, i32); 4] =
+    [("oom", 2), ("invalid", 1), ("unknown", 999), ("not_permitted", 800)];
+
+fn cuda_error_name(code: i32) -> &'static str {
+    match code {
+        1 => "CUDA_ERROR_INVALID_VALUE",
+        2 => "CUDA_ERROR_OUT_OF_MEMORY",
+        800 => "CUDA_ERROR_NOT_PERMITTED",
+        _ => "CUDA_ERROR_UNKNOWN",
+    }
+}
+
+#[derive(Debug, Clone, Copy)]
+pub struct SimConfig {
+    pub devices: usize,
+    /// Physical bytes per device.
+    pub capacity: usize,
+    pub granularity: usize,
+}
+
+impl Default for SimConfig {
+    fn default() -> Self {
+        SimConfig { devices: 1, capacity: 1 << 30, granularity: 2 << 20 }
+    }
+}
+
+struct Mapping {
+    size: usize,
+    handle: u64,
+    accessible: bool,
+}
+
+struct Range {
+    size: usize,
+    /// Mappings by start address.
+    maps: BTreeMap<u64, Mapping>,
+}
+
+struct Handle {
+    device: i32,
+    size: usize,
+    fd: OwnedFd,
+    released: bool,
+    map_count: usize,
+    /// Not yet poisoned: the first map fills it.
+    fresh: bool,
+}
+
+struct Fault {
+    op: Op,
+    /// The value of the op's call counter at which it fails.
+    at_call: u64,
+    code: i32,
+}
+
+#[derive(Default)]
+struct State {
+    ranges: BTreeMap<u64, Range>,
+    handles: HashMap<u64, Handle>,
+    next_handle: u64,
+    used: Vec<usize>,
+    host_registered: HashMap<usize, usize>,
+    host_allocated: HashMap<usize, usize>,
+    calls: HashMap<Op, u64>,
+    faults: Vec<Fault>,
+}
+
+/// Live resources and call counts, for leak checks and for sizing fault-injection walks.
+#[derive(Debug, Clone, Default)]
+pub struct SimCounts {
+    pub ranges: usize,
+    pub handles: usize,
+    pub mapped_bytes: usize,
+    pub used_bytes: Vec<usize>,
+    pub host_registered: usize,
+    pub host_allocated: usize,
+    pub calls: Vec<(&'static str, u64)>,
+}
+
+pub struct SimDriver {
+    config: SimConfig,
+    state: Mutex<State>,
+}
+
+fn os_err(op: Op, e: rustix::io::Errno) -> Error {
+    Error::Driver { op: op.name(), code: 999, name: format!("host emulation: {e}") }
+}
+
+impl SimDriver {
+    pub fn new(config: SimConfig) -> Result<Self> {
+        if config.devices == 0 {
+            return Err(Error::invalid("devices must be at least 1"));
+        }
+        let page = rustix::param::page_size();
+        if config.granularity == 0 || !config.granularity.is_multiple_of(page) {
+            return Err(Error::invalid(format!(
+                "granularity {} must be a positive multiple of the page size {page}",
+                config.granularity
+            )));
+        }
+        let state = State { used: vec![0; config.devices], next_handle: 1, ..State::default() };
+        Ok(SimDriver { config, state: Mutex::new(state) })
+    }
+
+    pub fn config(&self) -> SimConfig {
+        self.config
+    }
+
+    /// The `nth` next call (1 = the very next) of `op` fails with CUDA error `code`.
+    pub fn inject_fault(&self, op: Op, nth: u64, code: i32) -> Result<()> {
+        if nth == 0 {
+            return Err(Error::invalid("nth must be at least 1"));
+        }
+        let mut st = self.state.lock();
+        let at_call = st.calls.get(&op).copied().unwrap_or(0) + nth;
+        st.faults.push(Fault { op, at_call, code });
+        Ok(())
+    }
+
+    pub fn clear_faults(&self) {
+        self.state.lock().faults.clear();
+    }
+
+    pub fn counts(&self) -> SimCounts {
+        let st = self.state.lock();
+        SimCounts {
+            ranges: st.ranges.len(),
+            handles: st.handles.len(),
+            mapped_bytes: st.ranges.values().flat_map(|r| r.maps.values()).map(|m| m.size).sum(),
+            used_bytes: st.used.clone(),
+            host_registered: st.host_registered.len(),
+            host_allocated: st.host_allocated.len(),
+            calls: Op::ALL.iter().map(|op| (op.name(), st.calls.get(op).copied().unwrap_or(0))).collect(),
+        }
+    }
+
+    fn check_device(&self, device: i32) -> Result<usize> {
+        usize::try_from(device)
+            .ok()
+            .filter(|d| *d < self.config.devices)
+            .ok_or_else(|| Error::invalid(format!("device {device} does not exist ({} devices)", self.config.devices)))
+    }
+}
+
+impl State {
+    /// Count the call and fail it if a fault is armed for it.
+    fn enter(&mut self, op: Op) -> Result<()> {
+        let n = self.calls.entry(op).or_insert(0);
+        *n += 1;
+        let n = *n;
+        if let Some(i) = self.faults.iter().position(|f| f.op == op && f.at_call == n) {
+            let f = self.faults.swap_remove(i);
+            return Err(Error::driver(op.name(), f.code, cuda_error_name(f.code)));
+        }
+        Ok(())
+    }
+
+    /// The reserved range that wholly contains [addr, addr+size).
+    fn range_of(&self, addr: u64, size: usize) -> Option<(u64, &Range)> {
+        let (&start, range) = self.ranges.range(..=addr).next_back()?;
+        (addr + size as u64 <= start + range.size as u64).then_some((start, range))
+    }
+
+    /// True when [addr, addr+size) is covered by accessible mappings without holes.
+    fn accessible(&self, addr: u64, size: usize) -> bool {
+        let Some((_, range)) = self.range_of(addr, size) else { return false };
+        let end = addr + size as u64;
+        let mut cursor = addr;
+        if let Some((&s, m)) = range.maps.range(..=addr).next_back() {
+            if s + m.size as u64 > addr && m.accessible {
+                cursor = s + m.size as u64;
+            } else {
+                return false;
+            }
+        }
+        for (&s, m) in range.maps.range(addr + 1..end) {
+            if s != cursor || !m.accessible {
+                return false;
+            }
+            cursor = s + m.size as u64;
+        }
+        cursor >= end
+    }
+
+    fn drop_handle_if_done(&mut self, handle: u64) {
+        let done = self.handles.get(&handle).is_some_and(|h| h.released && h.map_count == 0);
+        if done {
+            let h = self.handles.remove(&handle).expect("checked above");
+            self.used[h.device as usize] -= h.size;
+        }
+    }
+}
+
+impl Driver for SimDriver {
+    fn backend(&self) -> &'static str {
+        "sim"
+    }
+
+    fn device_count(&self) -> Result<usize> {
+        Ok(self.config.devices)
+    }
+
+    fn granularity(&self, device: i32) -> Result<usize> {
+        self.check_device(device)?;
+        Ok(self.config.granularity)
+    }
+
+    fn mem_info(&self, device: i32) -> Result<(usize, usize)> {
+        let d = self.check_device(device)?;
+        let used = self.state.lock().used[d];
+        Ok((self.config.capacity.saturating_sub(used), self.config.capacity))
+    }
+
+    fn reserve(&self, device: i32, size: usize) -> Result<DevPtr> {
+        self.check_device(device)?;
+        let mut st = self.state.lock();
+        st.enter(Op::Reserve)?;
+        if size == 0 || !size.is_multiple_of(self.config.granularity) {
+            return Err(Error::driver(Op::Reserve.name(), 1, "CUDA_ERROR_INVALID_VALUE"));
+        }
+        // SAFETY: a fresh anonymous PROT_NONE mapping at an address the kernel chooses touches no existing memory.
+        let ptr = unsafe {
+            mmap_anonymous(
+                std::ptr::null_mut(),
+                size,
+                ProtFlags::empty(),
+                MapFlags::PRIVATE | MapFlags::NORESERVE,
+            )
+        }
+        .map_err(|e| os_err(Op::Reserve, e))?;
+        let addr = ptr as u64;
+        st.ranges.insert(addr, Range { size, maps: BTreeMap::new() });
+        Ok(addr)
+    }
+
+    fn free_range(&self, addr: DevPtr, size: usize) -> Result<()> {
+        let mut st = self.state.lock();
+        st.enter(Op::FreeRange)?;
+        match st.ranges.get(&addr) {
+            Some(r) if r.size == size && r.maps.is_empty() => {}
+            Some(r) if !r.maps.is_empty() => {
+                return Err(Error::driver(Op::FreeRange.name(), 1, "CUDA_ERROR_INVALID_VALUE (range still mapped)"))
+            }
+            _ => return Err(Error::driver(Op::FreeRange.name(), 1, "CUDA_ERROR_INVALID_VALUE (not a reserved range)")),
+        }
+        // SAFETY: [addr, addr+size) is a reservation this driver made and nothing is mapped in it any more.
+        unsafe { munmap(addr as *mut c_void, size) }.map_err(|e| os_err(Op::FreeRange, e))?;
+        st.ranges.remove(&addr);
+        Ok(())
+    }
+
+    fn create(&self, device: i32, size: usize) -> Result<PhysHandle> {
+        let d = self.check_device(device)?;
+        let mut st = self.state.lock();
+        st.enter(Op::Create)?;
+        if size == 0 || !size.is_multiple_of(self.config.granularity) {
+            return Err(Error::driver(Op::Create.name(), 1, "CUDA_ERROR_INVALID_VALUE"));
+        }
+        if st.used[d] + size > self.config.capacity {
+            return Err(Error::driver(Op::Create.name(), 2, "CUDA_ERROR_OUT_OF_MEMORY"));
+        }
+        let fd = memfd_create("cumem-sim", MemfdFlags::CLOEXEC).map_err(|e| os_err(Op::Create, e))?;
+        ftruncate(&fd, size as u64).map_err(|e| os_err(Op::Create, e))?;
+        let id = st.next_handle;
+        st.next_handle += 1;
+        st.used[d] += size;
+        st.handles.insert(id, Handle { device, size, fd, released: false, map_count: 0, fresh: true });
+        Ok(PhysHandle(id))
+    }
+
+    fn release(&self, handle: PhysHandle) -> Result<()> {
+        let mut st = self.state.lock();
+        st.enter(Op::Release)?;
+        match st.handles.get_mut(&handle.0) {
+            Some(h) if !h.released => h.released = true,
+            _ => return Err(Error::driver(Op::Release.name(), 1, "CUDA_ERROR_INVALID_VALUE (unknown handle)")),
+        }
+        st.drop_handle_if_done(handle.0);
+        Ok(())
+    }
+
+    fn map(&self, addr: DevPtr, size: usize, handle: PhysHandle) -> Result<()> {
+        let mut st = self.state.lock();
+        st.enter(Op::Map)?;
+        let invalid = |why: &str| Error::driver(Op::Map.name(), 1, format!("CUDA_ERROR_INVALID_VALUE ({why})"));
+        let (start, range) = st.range_of(addr, size).ok_or_else(|| invalid("not inside a reserved range"))?;
+        let end = addr + size as u64;
+        let overlaps = range.maps.range(..end).next_back().is_some_and(|(&s, m)| s + m.size as u64 > addr);
+        if overlaps {
+            return Err(invalid("already mapped"));
+        }
+        let h = st.handles.get(&handle.0).ok_or_else(|| invalid("unknown handle"))?;
+        if h.released || h.size != size {
+            return Err(invalid("handle released or of another size"));
+        }
+        let fresh = h.fresh;
+        // SAFETY: [addr, addr+size) lies inside a reservation of ours with no mapping in it (checked above), so
+        // MAP_FIXED replaces only our own PROT_NONE placeholder pages.
+        unsafe {
+            mmap(
+                addr as *mut c_void,
+                size,
+                ProtFlags::READ | ProtFlags::WRITE,
+                MapFlags::SHARED | MapFlags::FIXED,
+                &h.fd,
+                0,
+            )
+        }
+        .map_err(|e| os_err(Op::Map, e))?;
+        if fresh {
+            // SAFETY: the pages were just mapped read-write above and belong to this mapping alone.
+            unsafe { std::ptr::write_bytes(addr as *mut u8, POISON, size) };
+        }
+        // SAFETY: same pages; until set_access they must fault, as on CUDA.
+        unsafe { mprotect(addr as *mut c_void, size, MprotectFlags::empty()) }.map_err(|e| os_err(Op::Map, e))?;
+        let h = st.handles.get_mut(&handle.0).expect("checked above");
+        h.fresh = false;
+        h.map_count += 1;
+        let range = st.ranges.get_mut(&start).expect("found above");
+        range.maps.insert(addr, Mapping { size, handle: handle.0, accessible: false });
+        Ok(())
+    }
+
+    fn unmap(&self, addr: DevPtr, size: usize) -> Result<()> {
+        let mut st = self.state.lock();
+        st.enter(Op::Unmap)?;
+        let (start, range) = st
+            .range_of(addr, size)
+            .ok_or_else(|| Error::driver(Op::Unmap.name(), 1, "CUDA_ERROR_INVALID_VALUE (not reserved)"))?;
+        match range.maps.get(&addr) {
+            Some(m) if m.size == size => {}
+            _ => return Err(Error::driver(Op::Unmap.name(), 1, "CUDA_ERROR_INVALID_VALUE (not a mapping)")),
+        }
+        // SAFETY: [addr, addr+size) is exactly one mapping of ours; it becomes a PROT_NONE placeholder again, so the
+        // reservation keeps the address range.
+        unsafe {
+            mmap_anonymous(
+                addr as *mut c_void,
+                size,
+                ProtFlags::empty(),
+                MapFlags::PRIVATE | MapFlags::FIXED | MapFlags::NORESERVE,
+            )
+        }
+        .map_err(|e| os_err(Op::Unmap, e))?;
+        let m = st.ranges.get_mut(&start).expect("found above").maps.remove(&addr).expect("checked above");
+        if let Some(h) = st.handles.get_mut(&m.handle) {
+            h.map_count -= 1;
+        }
+        st.drop_handle_if_done(m.handle);
+        Ok(())
+    }
+
+    fn set_access(&self, device: i32, addr: DevPtr, size: usize) -> Result<()> {
+        self.check_device(device)?;
+        let mut st = self.state.lock();
+        st.enter(Op::SetAccess)?;
+        let start = match st.range_of(addr, size) {
+            Some((start, r)) if r.maps.get(&addr).is_some_and(|m| m.size == size) => start,
+            _ => return Err(Error::driver(Op::SetAccess.name(), 1, "CUDA_ERROR_INVALID_VALUE (not a mapping)")),
+        };
+        // SAFETY: [addr, addr+size) is exactly one live mapping of ours.
+        unsafe { mprotect(addr as *mut c_void, size, MprotectFlags::READ | MprotectFlags::WRITE) }
+            .map_err(|e| os_err(Op::SetAccess, e))?;
+        st.ranges.get_mut(&start).expect("found above").maps.get_mut(&addr).expect("checked").accessible = true;
+        Ok(())
+    }
+
+    fn copy_d2h(&self, device: i32, dst: HostPtr, src: DevPtr, size: usize) -> Result<()> {
+        self.check_device(device)?;
+        let mut st = self.state.lock();
+        st.enter(Op::CopyD2H)?;
+        if !st.accessible(src, size) {
+            return Err(Error::driver(Op::CopyD2H.name(), 1, "CUDA_ERROR_INVALID_VALUE (source not mapped)"));
+        }
+        // SAFETY: the source is mapped read-write (checked under the lock, which unmap also takes); the destination
+        // is a live host buffer of at least `size` bytes that the caller keeps alive (Driver contract).
+        unsafe { std::ptr::copy_nonoverlapping(src as *const u8, dst.0 as *mut u8, size) };
+        Ok(())
+    }
+
+    fn copy_h2d(&self, device: i32, dst: DevPtr, src: HostPtr, size: usize) -> Result<()> {
+        self.check_device(device)?;
+        let mut st = self.state.lock();
+        st.enter(Op::CopyH2D)?;
+        if !st.accessible(dst, size) {
+            return Err(Error::driver(Op::CopyH2D.name(), 1, "CUDA_ERROR_INVALID_VALUE (destination not mapped)"));
+        }
+        // SAFETY: as in copy_d2h, with the roles swapped.
+        unsafe { std::ptr::copy_nonoverlapping(src.0 as *const u8, dst as *mut u8, size) };
+        Ok(())
+    }
+
+    fn wait(&self, device: i32) -> Result<()> {
+        self.check_device(device)?;
+        self.state.lock().enter(Op::Wait)
+    }
+
+    fn synchronize(&self, device: i32, _stream: u64) -> Result<()> {
+        self.check_device(device)?;
+        self.state.lock().enter(Op::Synchronize)
+    }
+
+    fn host_register(&self, ptr: HostPtr, size: usize) -> Result<()> {
+        let mut st = self.state.lock();
+        st.enter(Op::HostRegister)?;
+        if st.host_registered.insert(ptr.0, size).is_some() {
+            return Err(Error::driver(Op::HostRegister.name(), 712, "CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED"));
+        }
+        Ok(())
+    }
+
+    fn host_unregister(&self, ptr: HostPtr) -> Result<()> {
+        let mut st = self.state.lock();
+        st.enter(Op::HostUnregister)?;
+        st.host_registered
+            .remove(&ptr.0)
+            .map(|_| ())
+            .ok_or_else(|| Error::driver(Op::HostUnregister.name(), 713, "CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED"))
+    }
+
+    fn host_alloc(&self, size: usize) -> Result<HostPtr> {
+        let mut st = self.state.lock();
+        st.enter(Op::HostAlloc)?;
+        // SAFETY: a fresh anonymous read-write mapping at an address the kernel chooses.
+        let ptr = unsafe {
+            mmap_anonymous(std::ptr::null_mut(), size.max(1), ProtFlags::READ | ProtFlags::WRITE, MapFlags::PRIVATE)
+        }
+        .map_err(|e| os_err(Op::HostAlloc, e))?;
+        st.host_allocated.insert(ptr as usize, size.max(1));
+        Ok(HostPtr(ptr as usize))
+    }
+
+    fn host_free(&self, ptr: HostPtr) -> Result<()> {
+        let mut st = self.state.lock();
+        let size = st
+            .host_allocated
+            .remove(&ptr.0)
+            .ok_or_else(|| Error::driver("host_free", 1, "CUDA_ERROR_INVALID_VALUE (not a host allocation)"))?;
+        // SAFETY: the mapping was made by host_alloc with this size and its owner gave it back.
+        unsafe { munmap(ptr.0 as *mut c_void, size) }.map_err(|e| os_err(Op::HostAlloc, e))
+    }
+
+    fn as_sim(&self) -> Option<&SimDriver> {
+        Some(self)
+    }
+}
+
+impl Drop for SimDriver {
+    fn drop(&mut self) {
+        // Give back address space and host allocations that an aborted test may have left; handles close with
+        // their fds.
+        let st = self.state.get_mut();
+        for (&addr, r) in &st.ranges {
+            // SAFETY: each is a reservation of ours; no engine outlives the driver it holds an Arc of.
+            let _ = unsafe { munmap(addr as *mut c_void, r.size) };
+        }
+        for (&ptr, &size) in &st.host_allocated {
+            // SAFETY: made by host_alloc; nobody can use it after the driver is gone.
+            let _ = unsafe { munmap(ptr as *mut c_void, size) };
+        }
+    }
+}

@@ -1,0 +1,216 @@
+//! Host backup memory: page-locked buffers that sleep copies into and wake copies out of.
+//!
+//! Acquired the fast way: anonymous mmap, `MADV_HUGEPAGE`, first touch from several threads, then
+//! `host_register` (cuMemHostRegister). Pinning memory with `cuMemHostAlloc`/`cudaHostAlloc` takes about nine
+//! times longer for large sizes, so it is only the fallback when registering fails.
+//! `HostPool` keeps buffers for the next sleep (policy `keep`) so that steady sleeps pin nothing.
+
+use std::ffi::c_void;
+use std::sync::Arc;
+
+use rustix::mm::{madvise, mmap_anonymous, munmap, Advice, MapFlags, ProtFlags};
+
+use crate::driver::{Driver, HostPtr};
+use crate::error::{Error, Result};
+
+/// Below this size one thread touches the pages; above it, the work is split across threads.
+const PARALLEL_TOUCH_MIN: usize = 64 << 20;
+const MAX_TOUCH_THREADS: usize = 16;
+
+enum Origin {
+    /// Our own mmap, registered with the driver.
+    Registered,
+    /// Pinned by the driver itself (fallback).
+    DriverAlloc,
+}
+
+/// One page-locked host buffer. Dropping it unpins and unmaps it.
+pub struct HostBuffer {
+    ptr: usize,
+    len: usize,
+    origin: Origin,
+    driver: Arc<dyn Driver>,
+}
+
+impl HostBuffer {
+    /// Acquire `len` bytes of pinned host memory.
+    pub fn acquire(driver: &Arc<dyn Driver>, len: usize) -> Result<HostBuffer> {
+        if len == 0 {
+            return Err(Error::invalid("host buffer of 0 bytes"));
+        }
+        // SAFETY: a fresh private anonymous read-write mapping at an address the kernel chooses.
+        let mapped = unsafe {
+            mmap_anonymous(std::ptr::null_mut(), len, ProtFlags::READ | ProtFlags::WRITE, MapFlags::PRIVATE)
+        };
+        let ptr = match mapped {
+            Ok(p) => p as usize,
+            Err(e) => return Err(Error::OutOfMemory { what: format!("host backup of {len} bytes: {e}") }),
+        };
+        // SAFETY: [ptr, ptr+len) is the mapping made above. Huge pages are a hint; failure only costs speed.
+        let _ = unsafe { madvise(ptr as *mut c_void, len, Advice::LinuxHugepage) };
+        touch_pages(ptr, len);
+        match driver.host_register(HostPtr(ptr), len) {
+            Ok(()) => Ok(HostBuffer { ptr, len, origin: Origin::Registered, driver: driver.clone() }),
+            Err(register_err) => {
+                // SAFETY: the mapping made above; nothing else refers to it.
+                let _ = unsafe { munmap(ptr as *mut c_void, len) };
+                let p = driver.host_alloc(len).map_err(|e| match e {
+                    Error::Driver { .. } | Error::OutOfMemory { .. } => {
+                        Error::OutOfMemory { what: format!("host backup of {len} bytes: {register_err}; then {e}") }
+                    }
+                    other => other,
+                })?;
+                Ok(HostBuffer { ptr: p.0, len, origin: Origin::DriverAlloc, driver: driver.clone() })
+            }
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Address of byte `offset`, for copies of at most `len - offset` bytes.
+    pub fn at(&self, offset: usize) -> HostPtr {
+        assert!(offset <= self.len, "offset {offset} outside host buffer of {} bytes", self.len);
+        HostPtr(self.ptr + offset)
+    }
+
+    /// Unpin and unmap now. When the driver refuses, the buffer comes back with the error, still pinned and
+    /// mapped, so that the caller can try again later instead of leaking a registration.
+    pub fn release(self) -> std::result::Result<(), (HostBuffer, Error)> {
+        match self.unpin() {
+            Ok(()) => {
+                std::mem::forget(self);
+                Ok(())
+            }
+            Err(e) => Err((self, e)),
+        }
+    }
+
+    fn unpin(&self) -> Result<()> {
+        match self.origin {
+            Origin::Registered => {
+                self.driver.host_unregister(HostPtr(self.ptr))?;
+                // SAFETY: our own mapping, no longer registered; no copy is in flight, since the engine waits for
+                // every copy before a buffer goes back.
+                let _ = unsafe { munmap(self.ptr as *mut c_void, self.len) };
+                Ok(())
+            }
+            Origin::DriverAlloc => self.driver.host_free(HostPtr(self.ptr)),
+        }
+    }
+}
+
+impl Drop for HostBuffer {
+    fn drop(&mut self) {
+        // Last resort (normal paths use `release`): a buffer the driver will not unpin stays mapped, since unmapping
+        // registered memory would leave the driver pointing at pages that no longer exist. No logging here: this
+        // can run under the engine lock, where taking the GIL to log could deadlock with a thread in my_malloc.
+        let _ = self.unpin();
+    }
+}
+
+/// Fault in every page once, from several threads for large buffers, so pinning later does not pay for page
+/// faults one by one and the kernel can back the range with huge pages.
+fn touch_pages(ptr: usize, len: usize) {
+    let page = rustix::param::page_size();
+    let touch = |start: usize, end: usize| {
+        let mut p = start;
+        while p < end {
+            // SAFETY: p lies inside the live read-write mapping [ptr, ptr+len) that the caller owns.
+            unsafe { std::ptr::write_volatile(p as *mut u8, 0) };
+            p += page;
+        }
+    };
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).min(MAX_TOUCH_THREADS);
+    if len < PARALLEL_TOUCH_MIN || threads < 2 {
+        touch(ptr, ptr + len);
+        return;
+    }
+    let chunk = len.div_ceil(threads).next_multiple_of(page);
+    std::thread::scope(|s| {
+        for i in 0..threads {
+            let start = ptr + i * chunk;
+            let end = (start + chunk).min(ptr + len);
+            if start < end {
+                s.spawn(move || touch(start, end));
+            }
+        }
+    });
+}
+
+/// Host buffers cached for the next sleep.
+pub struct HostPool {
+    driver: Arc<dyn Driver>,
+    cached: Vec<HostBuffer>,
+    /// Keep buffers after wake (fast next sleep) or give them back to the OS (low host RAM).
+    pub keep: bool,
+}
+
+impl HostPool {
+    pub fn new(driver: Arc<dyn Driver>) -> Self {
+        HostPool { driver, cached: Vec::new(), keep: true }
+    }
+
+    /// A buffer of at least `len` bytes: the smallest cached one that fits, else a new one of exactly `len`
+    /// bytes (cached buffers too small for it are returned to the OS first, so RAM is not held twice).
+    pub fn acquire(&mut self, len: usize) -> Result<HostBuffer> {
+        let best = self.cached.iter().enumerate().filter(|(_, b)| b.len() >= len).min_by_key(|(_, b)| b.len());
+        if let Some((i, _)) = best {
+            return Ok(self.cached.swap_remove(i));
+        }
+        self.trim()?;
+        HostBuffer::acquire(&self.driver, len)
+    }
+
+    /// Take back a buffer no allocation uses any more.
+    pub fn give_back(&mut self, buf: HostBuffer) -> Result<()> {
+        if self.keep {
+            self.cached.push(buf);
+            return Ok(());
+        }
+        buf.release().map_err(|(buf, e)| {
+            // Keep it for the next trim rather than leak the registration.
+            self.cached.push(buf);
+            e
+        })
+    }
+
+    /// Make sure at least `len` bytes are cached (reserve ahead of the first sleep).
+    pub fn reserve(&mut self, len: usize) -> Result<()> {
+        if self.cached.iter().any(|b| b.len() >= len) {
+            return Ok(());
+        }
+        let buf = self.acquire(len)?;
+        self.cached.push(buf);
+        Ok(())
+    }
+
+    pub fn cached_bytes(&self) -> usize {
+        self.cached.iter().map(HostBuffer::len).sum()
+    }
+
+    /// Return every cached buffer to the OS; the first error is reported after all were tried, and buffers the
+    /// driver refused stay cached for a later trim.
+    pub fn trim(&mut self) -> Result<usize> {
+        let mut freed = 0;
+        let mut first_err = None;
+        let mut kept = Vec::new();
+        for buf in self.cached.drain(..) {
+            let len = buf.len();
+            match buf.release() {
+                Ok(()) => freed += len,
+                Err((buf, e)) => {
+                    kept.push(buf);
+                    first_err.get_or_insert(e);
+                }
+            }
+        }
+        self.cached = kept;
+        first_err.map_or(Ok(freed), Err)
+    }
+}

@@ -1,0 +1,27 @@
+//! cumem_rs: a CUDA virtual-memory allocator for PyTorch that can put GPU memory to sleep (back up or discard,
+//! release the physical memory, keep the addresses) and wake it up at the same addresses.
+//!
+//! Layers, arrows one way: `python`/`ffi` -> `engine` -> `registry` + `host` -> `driver` (cuda | sim).
+
+pub mod driver;
+pub mod engine;
+pub mod error;
+pub mod ffi;
+pub mod global;
+pub mod host;
+pub mod registry;
+
+#[cfg(feature = "python")]
+mod python;
+
+pub use driver::sim::{SimConfig, SimDriver};
+pub use engine::{AllocationInfo, Engine, Report, Stats};
+pub use error::{Error, Result};
+
+/// The text of a caught panic payload.
+pub(crate) fn panic_message(p: &(dyn std::any::Any + Send)) -> String {
+    p.downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| p.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "unknown panic".into())
+}

@@ -1,0 +1,426 @@
+//! The Python module `cumem_rs._native`: thin wrappers, argument checking and error mapping only.
+//! Every call into the engine releases the GIL, so a torch thread blocked in my_malloc (which never takes the
+//! GIL) can always make progress.
+
+use std::sync::Arc;
+
+use pyo3::create_exception;
+use pyo3::exceptions::{PyRuntimeError, PyTypeError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::types::{PyBool, PyBytes, PyDict, PyInt, PyList, PyString};
+
+use crate::driver::cuda::{self, CudaDriver};
+use crate::driver::sim::{SimConfig, SimDriver, FAULT_ERRORS};
+use crate::driver::Op;
+use crate::engine::{Engine, Report};
+use crate::error::Error;
+use crate::{ffi, global};
+
+create_exception!(_native, CumemError, PyRuntimeError, "Base class of every error raised by cumem_rs.");
+create_exception!(_native, CumemOutOfMemoryError, CumemError, "Physical device or host backup memory ran out.");
+create_exception!(_native, DriverError, CumemError, "A driver call failed.");
+create_exception!(_native, ClosedError, CumemError, "The allocator was closed.");
+
+impl From<Error> for PyErr {
+    fn from(e: Error) -> PyErr {
+        let msg = e.to_string();
+        match e {
+            Error::OutOfMemory { .. } => CumemOutOfMemoryError::new_err(msg),
+            Error::Driver { .. } => DriverError::new_err(msg),
+            Error::InvalidArgument(_) | Error::UnknownAddress(_) => PyValueError::new_err(msg),
+            Error::Closed => ClosedError::new_err(msg),
+            Error::InvalidState(_) | Error::NoCuda(_) | Error::Panic(_) => CumemError::new_err(msg),
+        }
+    }
+}
+
+fn type_name(obj: &Bound<'_, PyAny>) -> String {
+    obj.get_type().name().map(|n| n.to_string()).unwrap_or_else(|_| "?".into())
+}
+
+/// An int argument (bools refused). Ints beyond u64 saturate, so absurd sizes fail as out-of-memory.
+fn int_arg(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<i128> {
+    if !obj.is_instance_of::<PyInt>() || obj.is_instance_of::<PyBool>() {
+        return Err(PyTypeError::new_err(format!("{what} must be an int, not {}", type_name(obj))));
+    }
+    Ok(obj.extract::<i128>().unwrap_or_else(|_| if obj.lt(0).unwrap_or(false) { i128::MIN } else { i128::MAX }))
+}
+
+fn size_arg(obj: &Bound<'_, PyAny>, what: &str, allow_zero: bool) -> PyResult<usize> {
+    let v = int_arg(obj, what)?;
+    if v < 0 || (v == 0 && !allow_zero) {
+        let need = if allow_zero { "non-negative" } else { "positive" };
+        return Err(PyValueError::new_err(format!("{what} must be {need}, got {v}")));
+    }
+    Ok(usize::try_from(v).unwrap_or(usize::MAX))
+}
+
+fn address_arg(obj: &Bound<'_, PyAny>) -> PyResult<u64> {
+    let v = int_arg(obj, "address")?;
+    u64::try_from(v).map_err(|_| PyValueError::new_err(format!("address {v} is not a valid device address")))
+}
+
+fn tag_arg(obj: &Bound<'_, PyAny>) -> PyResult<String> {
+    let s = obj
+        .cast::<PyString>()
+        .map_err(|_| PyTypeError::new_err(format!("tag must be a str, not {}", type_name(obj))))?
+        .to_string();
+    if s.is_empty() {
+        return Err(PyValueError::new_err("tag must be a non-empty str"));
+    }
+    Ok(s)
+}
+
+/// A str (one tag) or an iterable of str.
+fn tags_arg(obj: &Bound<'_, PyAny>) -> PyResult<Vec<String>> {
+    if obj.is_instance_of::<PyString>() {
+        return Ok(vec![tag_arg(obj)?]);
+    }
+    let iter = obj
+        .try_iter()
+        .map_err(|_| PyTypeError::new_err(format!("tags must be a str or a sequence of str, not {}", type_name(obj))))?;
+    iter.map(|t| tag_arg(&t?)).collect()
+}
+
+fn report_dict<'py>(py: Python<'py>, r: &Report) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    d.set_item("allocations", r.allocations)?;
+    d.set_item("copied_bytes", r.copied_bytes)?;
+    d.set_item("discarded_bytes", r.discarded_bytes)?;
+    d.set_item("seconds", r.seconds)?;
+    d.set_item("gb_per_s", if r.seconds > 0.0 { r.copied_bytes as f64 / r.seconds / 1e9 } else { 0.0 })?;
+    Ok(d)
+}
+
+/// Virtual-memory allocator over one driver (simulated or CUDA).
+#[pyclass(frozen, module = "cumem_rs._native")]
+pub struct Allocator {
+    engine: Arc<Engine>,
+    /// The process-wide CUDA engine is never closed from Python (torch may still hold its memory).
+    shared: bool,
+}
+
+impl Allocator {
+    fn sim(&self) -> PyResult<&SimDriver> {
+        self.engine
+            .driver()
+            .as_sim()
+            .ok_or_else(|| CumemError::new_err("fault injection and driver counts exist on the simulated driver only"))
+    }
+}
+
+#[pymethods]
+impl Allocator {
+    #[staticmethod]
+    #[pyo3(signature = (devices = None, capacity = None, granularity = None))]
+    fn simulated(
+        devices: Option<&Bound<'_, PyAny>>,
+        capacity: Option<&Bound<'_, PyAny>>,
+        granularity: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Allocator> {
+        let defaults = SimConfig::default();
+        let arg = |obj: Option<&Bound<'_, PyAny>>, what, default| obj.map_or(Ok(default), |o| size_arg(o, what, false));
+        let config = SimConfig {
+            devices: arg(devices, "devices", defaults.devices)?,
+            capacity: arg(capacity, "capacity", defaults.capacity)?,
+            granularity: arg(granularity, "granularity", defaults.granularity)?,
+        };
+        let engine = Engine::new(Arc::new(SimDriver::new(config)?))?;
+        Ok(Allocator { engine: Arc::new(engine), shared: false })
+    }
+
+    #[staticmethod]
+    fn cuda(py: Python<'_>) -> PyResult<Allocator> {
+        let engine = py.detach(global::cuda_engine)?.clone();
+        Ok(Allocator { engine, shared: true })
+    }
+
+    #[getter]
+    fn backend(&self) -> &'static str {
+        self.engine.driver().backend()
+    }
+
+    fn device_count(&self) -> usize {
+        self.engine.device_count()
+    }
+
+    #[pyo3(signature = (device = 0))]
+    fn granularity(&self, device: i32) -> PyResult<usize> {
+        Ok(self.engine.granularity(device)?)
+    }
+
+    #[pyo3(signature = (device = 0))]
+    fn mem_info(&self, py: Python<'_>, device: i32) -> PyResult<(usize, usize)> {
+        self.engine.granularity(device)?;
+        Ok(py.detach(|| self.engine.driver().mem_info(device))?)
+    }
+
+    /// Backend, devices and their properties.
+    fn info<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let d = PyDict::new(py);
+        d.set_item("backend", self.backend())?;
+        let devices = PyList::empty(py);
+        for dev in 0..self.engine.device_count() as i32 {
+            let e = PyDict::new(py);
+            let (free, total) = py.detach(|| self.engine.driver().mem_info(dev))?;
+            e.set_item("device", dev)?;
+            e.set_item("free", free)?;
+            e.set_item("total", total)?;
+            e.set_item("granularity", self.engine.granularity(dev)?)?;
+            devices.append(e)?;
+        }
+        d.set_item("devices", &devices)?;
+        if self.engine.driver().backend() == "cuda" {
+            let cuda = CudaDriver::new()?;
+            d.set_item("driver_version", cuda.driver_version())?;
+            for (dev, e) in devices.iter().enumerate() {
+                let i = cuda.device_info(dev as i32)?;
+                e.set_item("name", i.name)?;
+                e.set_item("rdma_with_vmm", i.rdma_with_vmm)?;
+            }
+        } else {
+            for e in devices.iter() {
+                e.set_item("name", "simulated device")?;
+                e.set_item("rdma_with_vmm", false)?;
+            }
+        }
+        Ok(d)
+    }
+
+    #[pyo3(signature = (size, device = 0, stream = 0))]
+    fn malloc(&self, py: Python<'_>, size: &Bound<'_, PyAny>, device: i32, stream: u64) -> PyResult<u64> {
+        let size = size_arg(size, "size", false)?;
+        let tag = crate::registry::current_tag(self.engine.id());
+        Ok(py.detach(|| self.engine.malloc_tagged(size, device, stream, tag))?)
+    }
+
+    fn free(&self, py: Python<'_>, address: &Bound<'_, PyAny>) -> PyResult<()> {
+        let addr = address_arg(address)?;
+        Ok(py.detach(|| self.engine.free(addr))?)
+    }
+
+    fn push_tag(&self, tag: &Bound<'_, PyAny>) -> PyResult<()> {
+        Ok(self.engine.push_tag(&tag_arg(tag)?)?)
+    }
+
+    fn pop_tag(&self) -> PyResult<String> {
+        Ok(self.engine.pop_tag()?)
+    }
+
+    fn current_tag(&self) -> String {
+        self.engine.current_tag()
+    }
+
+    #[pyo3(signature = (offload_tags = None))]
+    fn sleep<'py>(&self, py: Python<'py>, offload_tags: Option<&Bound<'py, PyAny>>) -> PyResult<Bound<'py, PyDict>> {
+        let tags = match offload_tags {
+            Some(t) => tags_arg(t)?,
+            None => vec![crate::registry::DEFAULT_TAG.to_string()],
+        };
+        let r = py.detach(|| self.engine.sleep(&tags))?;
+        report_dict(py, &r)
+    }
+
+    #[pyo3(signature = (tags = None))]
+    fn wake_up<'py>(&self, py: Python<'py>, tags: Option<&Bound<'py, PyAny>>) -> PyResult<Bound<'py, PyDict>> {
+        let tags = tags.map(tags_arg).transpose()?;
+        let r = py.detach(|| self.engine.wake(tags.as_deref()))?;
+        report_dict(py, &r)
+    }
+
+    fn discard<'py>(&self, py: Python<'py>, tags: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyDict>> {
+        let tags = tags_arg(tags)?;
+        let r = py.detach(|| self.engine.discard(&tags))?;
+        report_dict(py, &r)
+    }
+
+    fn read<'py>(&self, py: Python<'py>, address: &Bound<'py, PyAny>, size: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyBytes>> {
+        let addr = address_arg(address)?;
+        let size = size_arg(size, "size", true)?;
+        let data = py.detach(|| self.engine.read(addr, size))?;
+        Ok(PyBytes::new(py, &data))
+    }
+
+    fn write(&self, py: Python<'_>, address: &Bound<'_, PyAny>, data: &Bound<'_, PyAny>) -> PyResult<()> {
+        let addr = address_arg(address)?;
+        let bytes: Vec<u8> = data
+            .cast::<PyBytes>()
+            .map(|b| b.as_bytes().to_vec())
+            .or_else(|_| data.extract::<Vec<u8>>())
+            .map_err(|_| PyTypeError::new_err(format!("data must be bytes, not {}", type_name(data))))?;
+        Ok(py.detach(|| self.engine.write(addr, &bytes))?)
+    }
+
+    #[pyo3(signature = (device = None))]
+    fn usage(&self, device: Option<i32>) -> PyResult<usize> {
+        if let Some(d) = device {
+            self.engine.granularity(d)?;
+        }
+        Ok(self.engine.usage(device))
+    }
+
+    fn allocations<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        let list = PyList::empty(py);
+        for a in self.engine.allocations() {
+            let d = PyDict::new(py);
+            d.set_item("address", a.addr)?;
+            d.set_item("size", a.size)?;
+            d.set_item("requested", a.requested)?;
+            d.set_item("device", a.device)?;
+            d.set_item("tag", a.tag)?;
+            d.set_item("asleep", a.asleep)?;
+            d.set_item("backed_up", a.backed_up)?;
+            list.append(d)?;
+        }
+        Ok(list)
+    }
+
+    fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let s = self.engine.stats();
+        let d = PyDict::new(py);
+        d.set_item("live_allocations", s.live_allocations)?;
+        d.set_item("asleep_allocations", s.asleep_allocations)?;
+        d.set_item("mapped_bytes", s.mapped_bytes)?;
+        d.set_item("asleep_bytes", s.asleep_bytes)?;
+        d.set_item("peak_mapped_bytes", s.peak_mapped_bytes)?;
+        d.set_item("host_backup_bytes", s.host_backup_bytes)?;
+        d.set_item("host_cached_bytes", s.host_cached_bytes)?;
+        d.set_item("mallocs", s.mallocs)?;
+        d.set_item("frees", s.frees)?;
+        d.set_item("sleeps", s.sleeps)?;
+        d.set_item("wakes", s.wakes)?;
+        d.set_item("recorded_errors", s.recorded_errors)?;
+        d.set_item("pending_releases", s.pending_releases)?;
+        d.set_item("last_sleep", s.last_sleep.as_ref().map(|r| report_dict(py, r)).transpose()?)?;
+        d.set_item("last_wake", s.last_wake.as_ref().map(|r| report_dict(py, r)).transpose()?)?;
+        Ok(d)
+    }
+
+    fn host_bytes(&self) -> usize {
+        self.engine.host_bytes()
+    }
+
+    fn set_keep_host_memory(&self, py: Python<'_>, keep: bool) -> PyResult<()> {
+        Ok(py.detach(|| self.engine.set_keep_host_memory(keep))?)
+    }
+
+    fn reserve_host(&self, py: Python<'_>, nbytes: &Bound<'_, PyAny>) -> PyResult<()> {
+        let n = size_arg(nbytes, "nbytes", false)?;
+        Ok(py.detach(|| self.engine.reserve_host(n))?)
+    }
+
+    fn trim_host(&self, py: Python<'_>) -> PyResult<usize> {
+        Ok(py.detach(|| self.engine.trim_host())?)
+    }
+
+    fn errors(&self) -> Vec<String> {
+        self.engine.errors()
+    }
+
+    #[pyo3(signature = (op, nth = 1, error = "unknown"))]
+    fn inject_fault(&self, op: &str, nth: u64, error: &str) -> PyResult<()> {
+        let sim = self.sim()?;
+        let op = Op::parse(op).ok_or_else(|| {
+            PyValueError::new_err(format!("unknown fault op {op:?}; expected one of {:?}", fault_ops()))
+        })?;
+        let code = FAULT_ERRORS.iter().find(|(n, _)| *n == error).map(|(_, c)| *c).ok_or_else(|| {
+            PyValueError::new_err(format!(
+                "unknown fault error {error:?}; expected one of {:?}",
+                FAULT_ERRORS.iter().map(|(n, _)| *n).collect::<Vec<_>>()
+            ))
+        })?;
+        Ok(sim.inject_fault(op, nth, code)?)
+    }
+
+    fn clear_faults(&self) -> PyResult<()> {
+        self.sim()?.clear_faults();
+        Ok(())
+    }
+
+    fn driver_counts<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let c = self.sim()?.counts();
+        let d = PyDict::new(py);
+        d.set_item("ranges", c.ranges)?;
+        d.set_item("handles", c.handles)?;
+        d.set_item("mapped_bytes", c.mapped_bytes)?;
+        d.set_item("used_bytes", c.used_bytes)?;
+        d.set_item("host_registered", c.host_registered)?;
+        d.set_item("host_allocated", c.host_allocated)?;
+        let calls = PyDict::new(py);
+        for (op, n) in c.calls {
+            calls.set_item(op, n)?;
+        }
+        d.set_item("calls", calls)?;
+        Ok(d)
+    }
+
+    fn close(&self, py: Python<'_>) -> PyResult<()> {
+        if self.shared {
+            return Err(CumemError::new_err(
+                "the process-wide CUDA allocator cannot be closed (torch may still hold its memory); free its \
+                 allocations or release the torch pools instead",
+            ));
+        }
+        Ok(py.detach(|| self.engine.close())?)
+    }
+
+    #[getter]
+    fn closed(&self) -> bool {
+        self.engine.is_closed()
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "Allocator(backend={:?}, devices={}, live={}, mapped={} bytes)",
+            self.backend(),
+            self.engine.device_count(),
+            self.engine.allocations().len(),
+            self.engine.usage(None)
+        )
+    }
+}
+
+fn fault_ops() -> Vec<&'static str> {
+    Op::ALL.iter().map(|o| o.name()).collect()
+}
+
+/// True when libcuda loads and reports at least one VMM-capable device. Never raises.
+#[pyfunction]
+fn cuda_available(py: Python<'_>) -> bool {
+    cuda::library_present() && py.detach(global::cuda_engine).is_ok()
+}
+
+#[pyfunction]
+fn is_cuda_allocator_ready() -> bool {
+    global::existing_cuda_engine().is_some()
+}
+
+/// Errors recorded by my_malloc/my_free when no CUDA allocator existed to record them.
+#[pyfunction]
+fn ffi_errors() -> Vec<String> {
+    ffi::ffi_errors()
+}
+
+/// Test hook: the next my_malloc or my_free call panics inside (the panic must be caught there).
+#[pyfunction]
+fn _panic_in_next_ffi_call(on: bool) {
+    ffi::set_panic_next_call(on);
+}
+
+#[pymodule]
+fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    let py = m.py();
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    m.add("FAULT_OPS", fault_ops())?;
+    m.add("FAULT_ERRORS", FAULT_ERRORS.iter().map(|(n, _)| *n).collect::<Vec<_>>())?;
+    m.add("CumemError", py.get_type::<CumemError>())?;
+    m.add("CumemOutOfMemoryError", py.get_type::<CumemOutOfMemoryError>())?;
+    m.add("DriverError", py.get_type::<DriverError>())?;
+    m.add("ClosedError", py.get_type::<ClosedError>())?;
+    m.add_class::<Allocator>()?;
+    m.add_function(wrap_pyfunction!(cuda_available, m)?)?;
+    m.add_function(wrap_pyfunction!(is_cuda_allocator_ready, m)?)?;
+    m.add_function(wrap_pyfunction!(ffi_errors, m)?)?;
+    m.add_function(wrap_pyfunction!(_panic_in_next_ffi_call, m)?)?;
+    Ok(())
+}
