@@ -239,7 +239,9 @@ impl Engine {
         let mut copied = 0usize;
         if !to_backup.is_empty() {
             let total: usize = to_backup.iter().map(|a| inner.reg.get(*a).expect("selected").size).sum();
-            let arena = Arc::new(inner.host.acquire(total)?);
+            let arena = inner.host.acquire(total);
+            self.record_host_fallbacks(&mut inner);
+            let arena = Arc::new(arena?);
             inner.arenas.push(arena.clone());
             let result = self.copy_out(&inner, &to_backup, &arena);
             if let Err(e) = result {
@@ -458,7 +460,16 @@ impl Engine {
         if len == 0 {
             return Err(Error::invalid("reserve_host needs a positive number of bytes"));
         }
-        self.lock_open()?.host.reserve(len)
+        let mut inner = self.lock_open()?;
+        let r = inner.host.reserve(len);
+        self.record_host_fallbacks(&mut inner);
+        r
+    }
+
+    fn record_host_fallbacks(&self, inner: &mut Inner) {
+        for e in std::mem::take(&mut inner.host.fallbacks) {
+            Self::record(inner, "pinning host backup memory (served by the fallback allocation)", &e);
+        }
     }
 
     pub fn trim_host(&self) -> Result<usize> {

@@ -33,8 +33,9 @@ pub struct HostBuffer {
 }
 
 impl HostBuffer {
-    /// Acquire `len` bytes of pinned host memory.
-    pub fn acquire(driver: &Arc<dyn Driver>, len: usize) -> Result<HostBuffer> {
+    /// Acquire `len` bytes of pinned host memory. When registering failed and the fallback served, the
+    /// registration error comes back beside the buffer, for the caller to record.
+    pub fn acquire(driver: &Arc<dyn Driver>, len: usize) -> Result<(HostBuffer, Option<Error>)> {
         if len == 0 {
             return Err(Error::invalid("host buffer of 0 bytes"));
         }
@@ -50,7 +51,7 @@ impl HostBuffer {
         let _ = unsafe { madvise(ptr as *mut c_void, len, Advice::LinuxHugepage) };
         touch_pages(ptr, len);
         match driver.host_register(HostPtr(ptr), len) {
-            Ok(()) => Ok(HostBuffer { ptr, len, origin: Origin::Registered, driver: driver.clone() }),
+            Ok(()) => Ok((HostBuffer { ptr, len, origin: Origin::Registered, driver: driver.clone() }, None)),
             Err(register_err) => {
                 // SAFETY: the mapping made above; nothing else refers to it.
                 let _ = unsafe { munmap(ptr as *mut c_void, len) };
@@ -60,7 +61,7 @@ impl HostBuffer {
                     }
                     other => other,
                 })?;
-                Ok(HostBuffer { ptr: p.0, len, origin: Origin::DriverAlloc, driver: driver.clone() })
+                Ok((HostBuffer { ptr: p.0, len, origin: Origin::DriverAlloc, driver: driver.clone() }, Some(register_err)))
             }
         }
     }
@@ -147,13 +148,15 @@ fn touch_pages(ptr: usize, len: usize) {
 pub struct HostPool {
     driver: Arc<dyn Driver>,
     cached: Vec<HostBuffer>,
+    /// Registration failures that the fallback absorbed, for the engine to record.
+    pub fallbacks: Vec<Error>,
     /// Keep buffers after wake (fast next sleep) or give them back to the OS (low host RAM).
     pub keep: bool,
 }
 
 impl HostPool {
     pub fn new(driver: Arc<dyn Driver>) -> Self {
-        HostPool { driver, cached: Vec::new(), keep: true }
+        HostPool { driver, cached: Vec::new(), fallbacks: Vec::new(), keep: true }
     }
 
     /// A buffer of at least `len` bytes: the smallest cached one that fits, else a new one of exactly `len`
@@ -164,7 +167,9 @@ impl HostPool {
             return Ok(self.cached.swap_remove(i));
         }
         self.trim()?;
-        HostBuffer::acquire(&self.driver, len)
+        let (buf, fallback) = HostBuffer::acquire(&self.driver, len)?;
+        self.fallbacks.extend(fallback);
+        Ok(buf)
     }
 
     /// Take back a buffer no allocation uses any more.

@@ -1,0 +1,236 @@
+//! Engine behaviour on the simulated driver: round trips, rollback, leaks, threads.
+
+use std::sync::Arc;
+
+use cumem_rs::driver::sim::POISON;
+use cumem_rs::driver::{Driver, Op};
+use cumem_rs::{Engine, Error, SimConfig, SimDriver};
+
+const GRAN: usize = 64 << 10;
+
+fn engine(devices: usize, capacity: usize) -> (Arc<SimDriver>, Engine) {
+    let sim = Arc::new(SimDriver::new(SimConfig { devices, capacity, granularity: GRAN }).unwrap());
+    let engine = Engine::new(sim.clone() as Arc<dyn Driver>).unwrap();
+    (sim, engine)
+}
+
+fn pattern(seed: u8, len: usize) -> Vec<u8> {
+    (0..len).map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed)).collect()
+}
+
+fn assert_no_leaks(sim: &SimDriver) {
+    let c = sim.counts();
+    assert_eq!((c.ranges, c.handles, c.mapped_bytes), (0, 0, 0), "driver resources left: {c:?}");
+    assert!(c.used_bytes.iter().all(|u| *u == 0), "{c:?}");
+    assert_eq!((c.host_registered, c.host_allocated), (0, 0), "host buffers left: {c:?}");
+}
+
+#[test]
+fn malloc_rounds_to_granularity_and_tracks_usage() {
+    let (sim, e) = engine(2, 16 << 20);
+    let a = e.malloc(1, 0, 0).unwrap();
+    let b = e.malloc(GRAN + 1, 1, 0).unwrap();
+    assert_eq!(e.usage(Some(0)), GRAN);
+    assert_eq!(e.usage(Some(1)), 2 * GRAN);
+    assert_eq!(sim.counts().used_bytes, vec![GRAN, 2 * GRAN]);
+    let infos = e.allocations();
+    assert_eq!(infos.iter().map(|i| i.requested).sum::<usize>(), GRAN + 2);
+    e.free(a).unwrap();
+    e.free(b).unwrap();
+    assert_eq!(e.usage(None), 0);
+    e.close().unwrap();
+    assert_no_leaks(&sim);
+}
+
+#[test]
+fn sleep_wake_keeps_addresses_and_offloaded_bytes_and_poisons_the_rest() {
+    let (sim, e) = engine(1, 16 << 20);
+    e.push_tag("weights").unwrap();
+    let w = e.malloc(3 * GRAN, 0, 0).unwrap();
+    e.pop_tag().unwrap();
+    e.push_tag("kv_cache").unwrap();
+    let kv = e.malloc(GRAN, 0, 0).unwrap();
+    e.pop_tag().unwrap();
+    let data = pattern(7, 3 * GRAN);
+    e.write(w, &data).unwrap();
+    e.write(kv, &pattern(9, GRAN)).unwrap();
+
+    let r = e.sleep(&["weights"]).unwrap();
+    assert_eq!((r.copied_bytes, r.discarded_bytes, r.allocations), (3 * GRAN, GRAN, 2));
+    assert_eq!(e.usage(None), 0);
+    assert_eq!(sim.counts().handles, 0, "all physical memory released");
+    assert!(matches!(e.read(w, 1), Err(Error::InvalidState(_))));
+
+    let r = e.wake(None::<&[&str]>).unwrap();
+    assert_eq!((r.copied_bytes, r.discarded_bytes), (3 * GRAN, GRAN));
+    assert_eq!(e.read(w, 3 * GRAN).unwrap(), data);
+    assert!(e.read(kv, GRAN).unwrap().iter().all(|b| *b == POISON));
+    let addrs: Vec<u64> = e.allocations().iter().map(|a| a.addr).collect();
+    assert!(addrs.contains(&w) && addrs.contains(&kv));
+    e.close().unwrap();
+    assert_no_leaks(&sim);
+}
+
+#[test]
+fn selective_wake_and_discard() {
+    let (sim, e) = engine(1, 16 << 20);
+    e.push_tag("weights").unwrap();
+    let w = e.malloc(GRAN, 0, 0).unwrap();
+    e.pop_tag().unwrap();
+    e.push_tag("kv_cache").unwrap();
+    let kv = e.malloc(GRAN, 0, 0).unwrap();
+    e.pop_tag().unwrap();
+    e.write(w, &pattern(1, GRAN)).unwrap();
+    let d = e.discard(&["kv_cache"]).unwrap();
+    assert_eq!(d.discarded_bytes, GRAN);
+    assert_eq!(e.usage(None), GRAN, "weights untouched by discard");
+    e.sleep(&["weights"]).unwrap();
+    e.wake(Some(&["weights"])).unwrap();
+    assert_eq!(e.usage(None), GRAN, "kv_cache still asleep");
+    assert_eq!(e.read(w, GRAN).unwrap(), pattern(1, GRAN));
+    e.wake(Some(&["kv_cache"])).unwrap();
+    assert_eq!(e.usage(None), 2 * GRAN);
+    e.free(kv).unwrap();
+    e.free(w).unwrap();
+    e.close().unwrap();
+    assert_no_leaks(&sim);
+}
+
+#[test]
+fn free_while_asleep_releases_range_and_backup() {
+    let (sim, e) = engine(1, 16 << 20);
+    let a = e.malloc(GRAN, 0, 0).unwrap();
+    e.set_keep_host_memory(false).unwrap();
+    e.sleep(&["default"]).unwrap();
+    assert_eq!(e.host_bytes(), GRAN);
+    e.free(a).unwrap();
+    assert_eq!(e.host_bytes(), 0);
+    assert_eq!(sim.counts().ranges, 0);
+    assert!(matches!(e.free(a), Err(Error::UnknownAddress(_))), "double free is refused, not repeated");
+    e.close().unwrap();
+    assert_no_leaks(&sim);
+}
+
+#[test]
+fn out_of_memory_at_malloc_leaves_nothing_behind() {
+    let (sim, e) = engine(1, 4 * GRAN);
+    let a = e.malloc(3 * GRAN, 0, 0).unwrap();
+    let err = e.malloc(2 * GRAN, 0, 0).unwrap_err();
+    assert!(err.is_out_of_memory(), "{err}");
+    assert_eq!(sim.counts().ranges, 1);
+    e.free(a).unwrap();
+    e.close().unwrap();
+    assert_no_leaks(&sim);
+}
+
+#[test]
+fn failed_wake_keeps_backups_and_a_later_wake_succeeds() {
+    let (sim, e) = engine(1, 4 * GRAN);
+    e.push_tag("weights").unwrap();
+    let w1 = e.malloc(GRAN, 0, 0).unwrap();
+    let w2 = e.malloc(GRAN, 0, 0).unwrap();
+    e.pop_tag().unwrap();
+    e.write(w1, &pattern(3, GRAN)).unwrap();
+    e.write(w2, &pattern(4, GRAN)).unwrap();
+    e.sleep(&["weights"]).unwrap();
+    // Someone else takes the memory while we sleep.
+    let hog = e.malloc(3 * GRAN, 0, 0).unwrap();
+    let err = e.wake(None::<&[&str]>).unwrap_err();
+    assert!(err.is_out_of_memory(), "{err}");
+    assert!(e.allocations().iter().filter(|a| a.addr != hog).all(|a| a.asleep && a.backed_up));
+    assert_eq!(sim.counts().handles, 1, "what the failed wake mapped was released again");
+    e.free(hog).unwrap();
+    e.wake(None::<&[&str]>).unwrap();
+    assert_eq!(e.read(w1, GRAN).unwrap(), pattern(3, GRAN));
+    assert_eq!(e.read(w2, GRAN).unwrap(), pattern(4, GRAN));
+    e.close().unwrap();
+    assert_no_leaks(&sim);
+}
+
+/// One scenario touching every driver operation the engine uses.
+fn scenario(e: &Engine) -> Result<(), Error> {
+    e.push_tag("weights").unwrap();
+    let w = e.malloc(2 * GRAN, 0, 0);
+    e.pop_tag().unwrap();
+    let w = w?;
+    let kv = e.malloc(GRAN, 1, 0)?;
+    e.write(w, &pattern(5, 2 * GRAN))?;
+    e.sleep(&["weights"])?;
+    e.wake(None::<&[&str]>)?;
+    if e.read(w, 2 * GRAN)? != pattern(5, 2 * GRAN) {
+        panic!("offloaded data changed");
+    }
+    e.discard(&["default"])?;
+    e.wake(None::<&[&str]>)?;
+    e.free(kv)?;
+    e.free(w)?;
+    e.trim_host()?;
+    Ok(())
+}
+
+#[test]
+fn a_fault_at_every_driver_call_is_reported_and_nothing_leaks() {
+    let (sim, e) = engine(2, 16 << 20);
+    scenario(&e).unwrap();
+    let calls = sim.counts().calls;
+    drop(e);
+    let mut pairs = 0;
+    for (name, n) in calls {
+        let op = Op::parse(name).unwrap();
+        for nth in 1..=n {
+            let (sim, e) = engine(2, 16 << 20);
+            sim.inject_fault(op, nth, 999).unwrap();
+            let result = scenario(&e);
+            let recorded = e.errors();
+            assert!(result.is_err() || !recorded.is_empty(), "fault {name}#{nth} vanished");
+            // Registry and driver agree after the failure.
+            assert_eq!(e.usage(None), sim.counts().mapped_bytes, "fault {name}#{nth}");
+            sim.clear_faults();
+            // Everything still works: wake what is asleep, and all of it can be freed.
+            e.wake(None::<&[&str]>).unwrap();
+            e.close().unwrap();
+            assert_no_leaks(&sim);
+            pairs += 1;
+        }
+    }
+    assert!(pairs > 40, "only {pairs} (op, position) pairs exercised");
+}
+
+#[test]
+fn threads_allocate_while_another_sleeps_and_wakes() {
+    let (sim, e) = engine(1, 256 << 20);
+    let e = Arc::new(e);
+    std::thread::scope(|s| {
+        for t in 0..8u8 {
+            let e = e.clone();
+            s.spawn(move || {
+                e.push_tag(if t % 2 == 0 { "weights" } else { "kv_cache" }).unwrap();
+                let mut mine = Vec::new();
+                for i in 0..400usize {
+                    if i % 3 == 2 {
+                        if let Some(a) = mine.pop() {
+                            e.free(a).unwrap();
+                        }
+                    } else {
+                        mine.push(e.malloc(GRAN * (1 + i % 3), 0, 0).unwrap());
+                    }
+                }
+                for a in mine {
+                    e.free(a).unwrap();
+                }
+                e.pop_tag().unwrap();
+            });
+        }
+        let e = e.clone();
+        s.spawn(move || {
+            for _ in 0..50 {
+                e.sleep(&["weights"]).unwrap();
+                e.wake(None::<&[&str]>).unwrap();
+            }
+        });
+    });
+    assert_eq!(e.allocations().len(), 0);
+    assert_eq!(e.usage(None), 0);
+    e.close().unwrap();
+    assert_no_leaks(&sim);
+}
