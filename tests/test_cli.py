@@ -1,0 +1,225 @@
+"""The command line (`python -m cumem_rs {info,demo,bench}`), the reference workload it runs, and the checks that
+make the demo fail when data does not survive a sleep/wake cycle."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import cumem_rs
+from cumem_rs import Allocator
+from cumem_rs.__main__ import main
+from cumem_rs.workload import (
+    GiB,
+    AllocatorWorkload,
+    VerificationError,
+    fingerprint,
+    kv_cache_spec,
+    llama3_8b_weights,
+    reference_workload,
+    sim_granularity,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "cumem_rs", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def gpu_usable() -> bool:
+    if not cumem_rs.cuda_available():
+        return False
+    import torch
+
+    return torch.cuda.is_available()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The reference workload.
+
+
+def test_reference_workload_is_llama3_8b_bf16():
+    w = llama3_8b_weights(1)
+    assert len(w) == 291
+    assert abs(sum(nbytes for _, _, nbytes in w) / GiB - 15.0) <= 0.05
+    assert len({name for name, _, _ in w}) == 291
+    shapes = dict((name, shape) for name, shape, _ in w)
+    assert shapes["model.embed_tokens.weight"] == (128256, 4096)
+    assert shapes["model.layers.0.self_attn.k_proj.weight"] == (8 * 128, 4096)
+    assert shapes["model.layers.31.mlp.down_proj.weight"] == (4096, 14336)
+    for name, shape, nbytes in w:
+        n = 2
+        for d in shape:
+            n *= d
+        assert nbytes == n, name
+    assert kv_cache_spec(1)[2] == 48 * GiB
+
+
+def test_scaling_keeps_every_tensor():
+    full = sum(nbytes for _, _, nbytes in llama3_8b_weights(1))
+    # Every Llama-3-8B dimension is a multiple of 64, so 1/64 is exact.
+    assert sum(nbytes for _, _, nbytes in llama3_8b_weights(64)) * 64 == full
+    tiny = llama3_8b_weights(10**9)
+    assert len(tiny) == 291 and all(nbytes >= 2 for _, _, nbytes in tiny)
+    specs = reference_workload(256, kv_gib=48)
+    assert [s.tag for s in specs].count("weights") == 291 and specs[-1].tag == "kv_cache"
+    assert specs[-1].nbytes == 48 * GiB // 256
+    assert all(s.tag == "weights" for s in reference_workload(256, kv_gib=0))
+    with pytest.raises(ValueError):
+        llama3_8b_weights(0)
+
+
+def test_sim_granularity_is_a_page_multiple_power_of_two():
+    for scale in (1, 3, 64, 100, 256, 10**6):
+        g = sim_granularity(scale)
+        assert g >= 4096 and g & (g - 1) == 0 and g <= 2 << 20
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Verification really detects damage (otherwise a passing demo would prove nothing).
+
+
+def test_allocator_workload_detects_swapped_contents_and_moved_addresses():
+    specs = reference_workload(4096, kv_gib=0)[:8]
+    a = Allocator.simulated(capacity=64 << 20, granularity=4096)
+    try:
+        wl = AllocatorWorkload(a, specs, seed=3)
+        wl.allocate()
+        wl.fill()
+        addrs = list(wl.addresses)
+        assert wl.verify("weights", addrs) == sum(s.nbytes for s in specs)
+        # Layer 0's k_proj content restored into its q_proj (both one 4096-wide row at this scale): the bytes are
+        # valid workload data, just at the wrong place, as after a mix-up of two backups.
+        i, j = 2, 3
+        assert specs[i].nbytes == specs[j].nbytes
+        src = a.read(wl.addresses[j], specs[i].nbytes)
+        a.write(wl.addresses[i], src)
+        with pytest.raises(VerificationError, match=specs[i].name.replace(".", r"\.")):
+            wl.verify("weights", addrs)
+        wl.fill()
+        with pytest.raises(VerificationError, match="addresses changed"):
+            wl.verify("weights", addrs[::-1])
+        wl.free()
+    finally:
+        a.close()
+
+
+def test_fingerprint_detects_a_bit_flip_and_swapped_pages():
+    torch = pytest.importorskip("torch")
+    g = torch.Generator().manual_seed(0)
+    t = torch.randint(0, 256, (3 * (2 << 20) + 5,), dtype=torch.uint8, generator=g).view(-1)
+    f = fingerprint(t)
+    assert torch.equal(fingerprint(t.clone()), f)
+    flipped = t.clone()
+    flipped[12345] ^= 1
+    assert not torch.equal(fingerprint(flipped), f)
+    swapped = t.clone()
+    page = 2 << 20
+    swapped[:page], swapped[page : 2 * page] = t[page : 2 * page].clone(), t[:page].clone()
+    assert swapped.sum() == t.sum()  # a whole-tensor sum would not see it ...
+    assert not torch.equal(fingerprint(swapped), f)  # ... the per-row fingerprint does
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The command line.
+
+
+def test_help_lists_the_subcommands():
+    p = run_cli("--help")
+    assert p.returncode == 0, p.stderr
+    for cmd in ("info", "demo", "bench"):
+        assert cmd in p.stdout
+    for cmd in ("demo", "bench"):
+        sub = run_cli(cmd, "--help")
+        assert sub.returncode == 0 and "--scale" in sub.stdout and "--backend" in sub.stdout
+
+
+@pytest.mark.parametrize("argv", [["demo", "--bogus"], ["bench", "--backend", "tpu"], ["demo", "--scale", "x"], []])
+def test_bad_arguments_are_argparse_errors(argv):
+    p = run_cli(*argv)
+    assert p.returncode == 2
+    assert "error:" in p.stderr and "usage:" in p.stderr
+
+
+def test_info_shows_both_backends():
+    p = run_cli("info")
+    assert p.returncode == 0, p.stderr
+    assert f"cumem_rs {cumem_rs.__version__}" in p.stdout
+    assert "cuda backend:" in p.stdout
+    assert "sim backend: device 0:" in p.stdout and "granularity 2.00 MiB" in p.stdout
+
+
+def test_main_is_the_console_entry_point(capsys):
+    assert main(["info"]) == 0
+    assert "sim backend" in capsys.readouterr().out
+
+
+def test_demo_on_the_simulated_device():
+    p = run_cli("demo", "--backend", "sim", "--scale", "512", "--cycles", "2")
+    assert p.returncode == 0, p.stdout + p.stderr
+    out = p.stdout
+    assert "292 tensors" in out
+    assert "sleep #2" in out and "wake_up #2" in out and "verify #2" in out
+    assert "-> 0 B asleep" in out  # sleep released every mapped byte
+    assert out.rstrip().endswith("weights verified bit-identical at unchanged addresses")
+
+
+def test_demo_rejects_a_bad_scale():
+    p = run_cli("demo", "--backend", "sim", "--scale", "0")
+    assert p.returncode != 0 and "--scale" in p.stderr
+
+
+def test_bench_on_the_simulated_device(tmp_path):
+    out = tmp_path / "bench.json"
+    p = run_cli("bench", "--backend", "sim", "--scale", "512", "--cycles", "2", "--json", str(out))
+    assert p.returncode == 0, p.stdout + p.stderr
+    for row in ("host memcpy", "sleep, cold first", "sleep, steady (median of 2)", "wake, steady",
+                "keep_host_memory=False", "discard kv_cache", "Allocator.malloc"):
+        assert row in p.stdout, row
+    data = json.loads(out.read_text())
+    m = data["metrics"]
+    assert m["backend"] == "sim" and m["tensors"] == 292
+    assert len(m["sleep_all_s"]) == 3 and len(m["wake_all_s"]) == 3
+    assert m["sleep_gbps"] > 0 and m["sleep_ratio"] > 0 and m["wake_ratio"] > 0
+    # The host backup is kept for the next sleep by default and given back under keep_host_memory=False.
+    assert m["host_bytes_after_wake_keep"] >= m["weights_bytes"]
+    assert m["host_bytes_after_wake_nokeep"] == 0
+    assert m["errors"] == []
+    assert any(r["name"].startswith("sleep, steady") for r in data["rows"])
+
+
+def test_bench_script_wrapper(tmp_path):
+    p = subprocess.run([sys.executable, str(ROOT / "benches" / "bench_sleep_wake.py"), "--backend", "sim",
+                        "--scale", "2048", "--cycles", "1", "--malloc-count", "20", "--kv-gib", "0"],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "sleep, steady (median of 1)" in p.stdout
+
+
+@pytest.mark.skipif(gpu_usable(), reason="a GPU is present")
+def test_cuda_backend_without_a_gpu_is_a_clear_error():
+    p = run_cli("demo", "--backend", "cuda")
+    assert p.returncode == 1
+    assert "--backend cuda" in p.stderr
+
+
+@pytest.mark.skipif(not gpu_usable(), reason="needs a CUDA GPU and CUDA torch")
+def test_demo_on_the_gpu():
+    p = run_cli("demo", "--backend", "cuda", "--scale", "16", "--kv-gib", "4", "--cycles", "2", timeout=300)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "verify #2: checksums and data_ptrs unchanged" in p.stdout
+
+
+@pytest.mark.skipif(not gpu_usable(), reason="needs a CUDA GPU and CUDA torch")
+def test_bench_on_the_gpu(tmp_path):
+    out = tmp_path / "bench.json"
+    p = run_cli("bench", "--backend", "cuda", "--scale", "16", "--kv-gib", "4", "--cycles", "2",
+                "--malloc-count", "50", "--no-tms", "--json", str(out), timeout=300)
+    assert p.returncode == 0, p.stdout + p.stderr
+    m = json.loads(out.read_text())["metrics"]
+    assert m["copy_d2h_gbps"] > 0 and m["sleep_ratio"] > 0 and m["host_bytes_after_wake_nokeep"] == 0
