@@ -25,6 +25,10 @@ use crate::registry::{self, Allocation, Backup, Registry, State};
 /// At most this many recorded errors are kept (oldest dropped first).
 const MAX_RECORDED_ERRORS: usize = 1000;
 
+/// Host arena cell pinned at a time during a cold sleep: large enough that per-call overheads vanish, small
+/// enough that the first copies start early.
+const PIN_CHUNK: usize = 512 << 20;
+
 static NEXT_ENGINE_ID: AtomicU64 = AtomicU64::new(1);
 
 /// What one sleep, wake or discard did.
@@ -86,6 +90,8 @@ struct Inner {
     errors: Vec<String>,
     stats: Stats,
     closed: bool,
+    /// Cell size of pipelined pinning (PIN_CHUNK; smaller in tests to exercise cells that split allocations).
+    pin_chunk: usize,
 }
 
 pub struct Engine {
@@ -111,8 +117,15 @@ impl Engine {
             errors: Vec::new(),
             stats: Stats::default(),
             closed: false,
+            pin_chunk: PIN_CHUNK,
         };
         Ok(Engine { id: NEXT_ENGINE_ID.fetch_add(1, Ordering::Relaxed), driver, granularity, inner: Mutex::new(inner) })
+    }
+
+    /// Cell size of pipelined pinning during a cold sleep, rounded up to whole pages.
+    pub fn set_pin_chunk(&self, bytes: usize) {
+        let page = rustix::param::page_size();
+        self.inner.lock().pin_chunk = bytes.max(1).next_multiple_of(page);
     }
 
     pub fn id(&self) -> u64 {
@@ -239,16 +252,22 @@ impl Engine {
         let mut copied = 0usize;
         if !to_backup.is_empty() {
             let total: usize = to_backup.iter().map(|a| inner.reg.get(*a).expect("selected").size).sum();
-            let arena = inner.host.acquire(total);
-            self.record_host_fallbacks(&mut inner);
-            let arena = Arc::new(arena?);
-            inner.arenas.push(arena.clone());
-            let result = self.copy_out(&inner, &to_backup, &arena);
-            if let Err(e) = result {
-                drop(arena);
-                self.collect_unused_arenas(&mut inner);
+            let mut arena = match inner.host.take_cached(total) {
+                Some(buf) => buf,
+                None => {
+                    // Cold sleep: map now, pin piece by piece inside copy_out, overlapping pinning with the copies.
+                    inner.host.trim()?;
+                    HostBuffer::map_unpinned(&self.driver, total)?
+                }
+            };
+            if let Err(e) = self.copy_out(&mut inner, &to_backup, &mut arena) {
+                if let Err(e2) = inner.host.give_back(arena) {
+                    Self::record(&mut inner, "returning host backup memory", &e2);
+                }
                 return Err(e);
             }
+            let arena = Arc::new(arena);
+            inner.arenas.push(arena.clone());
             let mut offset = 0;
             for (slot, addr) in targets.iter().enumerate() {
                 if to_backup.contains(addr) {
@@ -623,18 +642,45 @@ impl Engine {
         devices
     }
 
-    /// Queue device-to-host copies of `addrs` back to back into `arena`, then wait once per device. On failure
-    /// every device is still waited for, so that no copy into the arena is in flight when it is given back.
-    fn copy_out(&self, inner: &Inner, addrs: &[DevPtr], arena: &HostBuffer) -> Result<()> {
-        let mut offset = 0;
+    /// Queue device-to-host copies of `addrs` back to back into `arena`, then wait once per device.
+    ///
+    /// The arena is walked in cells of `PIN_CHUNK` bytes: a cell not pinned yet is pinned (touched and
+    /// registered) right before its copies are queued, so the CPU pins cell i+1 while the copy engines drain cell
+    /// i, and a cold sleep costs about max(pin, copy) rather than their sum. A cell the driver refuses to pin
+    /// stays pageable (correct, slower; recorded). On failure every device is still waited for, so that no copy
+    /// into the arena is in flight when it is given back.
+    fn copy_out(&self, inner: &mut Inner, addrs: &[DevPtr], arena: &mut HostBuffer) -> Result<()> {
+        let total: usize = addrs.iter().map(|a| inner.reg.get(*a).expect("selected").size).sum();
         let mut result = Ok(());
-        for addr in addrs {
-            let a = inner.reg.get(*addr).expect("selected");
-            if let Err(e) = self.driver.copy_d2h(a.device, arena.at(offset), a.addr, a.size) {
-                result = Err(e);
-                break;
+        let mut next = 0; // index into addrs of the first allocation not wholly copied yet
+        let mut alloc_start = 0; // arena offset of addrs[next]
+        let mut cell = 0;
+        'cells: while cell < total {
+            let cell_end = (cell + inner.pin_chunk).min(total);
+            if !arena.is_pinned_at(cell) {
+                if let Err(e) = arena.pin(cell, cell_end - cell) {
+                    Self::record(inner, "pinning host backup memory (copying through pageable memory)", &e);
+                }
             }
-            offset += a.size;
+            while next < addrs.len() {
+                let a = inner.reg.get(addrs[next]).expect("selected");
+                let from = alloc_start.max(cell);
+                let to = (alloc_start + a.size).min(cell_end);
+                if from >= cell_end {
+                    break;
+                }
+                let piece = from - alloc_start;
+                if let Err(e) = self.driver.copy_d2h(a.device, arena.at(from), a.addr + piece as u64, to - from) {
+                    result = Err(e);
+                    break 'cells;
+                }
+                if alloc_start + a.size > cell_end {
+                    break; // the rest of this allocation belongs to the next cell
+                }
+                alloc_start += a.size;
+                next += 1;
+            }
+            cell = cell_end;
         }
         self.wait_devices(inner, addrs, result)
     }

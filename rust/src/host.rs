@@ -18,24 +18,26 @@ const PARALLEL_TOUCH_MIN: usize = 64 << 20;
 const MAX_TOUCH_THREADS: usize = 16;
 
 enum Origin {
-    /// Our own mmap, registered with the driver.
-    Registered,
+    /// Our own mmap; `pinned` lists the (address, length) pieces registered with the driver so far.
+    Mapped { pinned: Vec<(usize, usize)> },
     /// Pinned by the driver itself (fallback).
     DriverAlloc,
 }
 
-/// One page-locked host buffer. Dropping it unpins and unmaps it.
+/// One host buffer, pinned whole (`acquire`) or piece by piece (`map_unpinned` + `pin`, so that a cold sleep
+/// can copy into the first pieces while it pins the next). Dropping it unpins and unmaps it.
 pub struct HostBuffer {
     ptr: usize,
     len: usize,
     origin: Origin,
+    /// False once `release` gave the memory back, so Drop has nothing left to do.
+    live: bool,
     driver: Arc<dyn Driver>,
 }
 
 impl HostBuffer {
-    /// Acquire `len` bytes of pinned host memory. When registering failed and the fallback served, the
-    /// registration error comes back beside the buffer, for the caller to record.
-    pub fn acquire(driver: &Arc<dyn Driver>, len: usize) -> Result<(HostBuffer, Option<Error>)> {
+    /// Map `len` bytes of host memory, asking for huge pages, without touching or pinning them yet.
+    pub fn map_unpinned(driver: &Arc<dyn Driver>, len: usize) -> Result<HostBuffer> {
         if len == 0 {
             return Err(Error::invalid("host buffer of 0 bytes"));
         }
@@ -49,21 +51,34 @@ impl HostBuffer {
         };
         // SAFETY: [ptr, ptr+len) is the mapping made above. Huge pages are a hint; failure only costs speed.
         let _ = unsafe { madvise(ptr as *mut c_void, len, Advice::LinuxHugepage) };
-        touch_pages(ptr, len);
-        match driver.host_register(HostPtr(ptr), len) {
-            Ok(()) => Ok((HostBuffer { ptr, len, origin: Origin::Registered, driver: driver.clone() }, None)),
-            Err(register_err) => {
-                // SAFETY: the mapping made above; nothing else refers to it.
-                let _ = unsafe { munmap(ptr as *mut c_void, len) };
-                let p = driver.host_alloc(len).map_err(|e| match e {
-                    Error::Driver { .. } | Error::OutOfMemory { .. } => {
-                        Error::OutOfMemory { what: format!("host backup of {len} bytes: {register_err}; then {e}") }
-                    }
-                    other => other,
-                })?;
-                Ok((HostBuffer { ptr: p.0, len, origin: Origin::DriverAlloc, driver: driver.clone() }, Some(register_err)))
+        Ok(HostBuffer { ptr, len, origin: Origin::Mapped { pinned: Vec::new() }, live: true, driver: driver.clone() })
+    }
+
+    /// Touch (from several threads) and register bytes [offset, offset+len). On failure the piece stays
+    /// pageable: copies into it are still correct, only slower.
+    pub fn pin(&mut self, offset: usize, len: usize) -> Result<()> {
+        assert!(offset + len <= self.len, "pin outside the buffer");
+        let Origin::Mapped { pinned } = &mut self.origin else { return Ok(()) };
+        touch_pages(self.ptr + offset, len);
+        self.driver.host_register(HostPtr(self.ptr + offset), len)?;
+        pinned.push((self.ptr + offset, len));
+        Ok(())
+    }
+
+    /// Acquire `len` bytes of pinned host memory. When registering failed and the fallback served, the
+    /// registration error comes back beside the buffer, for the caller to record.
+    pub fn acquire(driver: &Arc<dyn Driver>, len: usize) -> Result<(HostBuffer, Option<Error>)> {
+        let mut buf = HostBuffer::map_unpinned(driver, len)?;
+        let Err(register_err) = buf.pin(0, len) else { return Ok((buf, None)) };
+        drop(buf);
+        let p = driver.host_alloc(len).map_err(|e| match e {
+            Error::Driver { .. } | Error::OutOfMemory { .. } => {
+                Error::OutOfMemory { what: format!("host backup of {len} bytes: {register_err}; then {e}") }
             }
-        }
+            other => other,
+        })?;
+        let buf = HostBuffer { ptr: p.0, len, origin: Origin::DriverAlloc, live: true, driver: driver.clone() };
+        Ok((buf, Some(register_err)))
     }
 
     pub fn len(&self) -> usize {
@@ -74,35 +89,49 @@ impl HostBuffer {
         self.len == 0
     }
 
+    /// True when byte `offset` lies in a pinned piece. Pieces are the whole buffer or cells of one fixed grid,
+    /// so a grid cell is either pinned whole or not at all.
+    pub fn is_pinned_at(&self, offset: usize) -> bool {
+        let addr = self.ptr + offset;
+        match &self.origin {
+            Origin::Mapped { pinned } => pinned.iter().any(|&(p, l)| p <= addr && addr < p + l),
+            Origin::DriverAlloc => true,
+        }
+    }
+
     /// Address of byte `offset`, for copies of at most `len - offset` bytes.
     pub fn at(&self, offset: usize) -> HostPtr {
         assert!(offset <= self.len, "offset {offset} outside host buffer of {} bytes", self.len);
         HostPtr(self.ptr + offset)
     }
 
-    /// Unpin and unmap now. When the driver refuses, the buffer comes back with the error, still pinned and
-    /// mapped, so that the caller can try again later instead of leaking a registration.
-    pub fn release(self) -> std::result::Result<(), (HostBuffer, Error)> {
+    /// Unpin and unmap now. When the driver refuses, the buffer comes back with the error, still mapped (and
+    /// partly pinned), so that the caller can try again later instead of leaking a registration.
+    pub fn release(mut self) -> std::result::Result<(), (HostBuffer, Error)> {
         match self.unpin() {
-            Ok(()) => {
-                std::mem::forget(self);
-                Ok(())
-            }
+            Ok(()) => Ok(()),
             Err(e) => Err((self, e)),
         }
     }
 
-    fn unpin(&self) -> Result<()> {
-        match self.origin {
-            Origin::Registered => {
-                self.driver.host_unregister(HostPtr(self.ptr))?;
+    fn unpin(&mut self) -> Result<()> {
+        if !self.live {
+            return Ok(());
+        }
+        match &mut self.origin {
+            Origin::Mapped { pinned } => {
+                while let Some(&(p, _)) = pinned.last() {
+                    self.driver.host_unregister(HostPtr(p))?;
+                    pinned.pop();
+                }
                 // SAFETY: our own mapping, no longer registered; no copy is in flight, since the engine waits for
                 // every copy before a buffer goes back.
                 let _ = unsafe { munmap(self.ptr as *mut c_void, self.len) };
-                Ok(())
             }
-            Origin::DriverAlloc => self.driver.host_free(HostPtr(self.ptr)),
+            Origin::DriverAlloc => self.driver.host_free(HostPtr(self.ptr))?,
         }
+        self.live = false;
+        Ok(())
     }
 }
 
@@ -162,14 +191,19 @@ impl HostPool {
     /// A buffer of at least `len` bytes: the smallest cached one that fits, else a new one of exactly `len`
     /// bytes (cached buffers too small for it are returned to the OS first, so RAM is not held twice).
     pub fn acquire(&mut self, len: usize) -> Result<HostBuffer> {
-        let best = self.cached.iter().enumerate().filter(|(_, b)| b.len() >= len).min_by_key(|(_, b)| b.len());
-        if let Some((i, _)) = best {
-            return Ok(self.cached.swap_remove(i));
+        if let Some(buf) = self.take_cached(len) {
+            return Ok(buf);
         }
         self.trim()?;
         let (buf, fallback) = HostBuffer::acquire(&self.driver, len)?;
         self.fallbacks.extend(fallback);
         Ok(buf)
+    }
+
+    /// The smallest cached buffer of at least `len` bytes, if any.
+    pub fn take_cached(&mut self, len: usize) -> Option<HostBuffer> {
+        let best = self.cached.iter().enumerate().filter(|(_, b)| b.len() >= len).min_by_key(|(_, b)| b.len());
+        best.map(|(i, _)| i).map(|i| self.cached.swap_remove(i))
     }
 
     /// Take back a buffer no allocation uses any more.

@@ -72,6 +72,35 @@ fn sleep_wake_keeps_addresses_and_offloaded_bytes_and_poisons_the_rest() {
 }
 
 #[test]
+fn cold_sleep_pins_in_cells_that_split_allocations() {
+    let (sim, e) = engine(2, 16 << 20);
+    e.set_pin_chunk(3 * 4096 * 5); // not a divisor of the granularity: cells end inside allocations
+    e.push_tag("weights").unwrap();
+    let sizes = [GRAN, 3 * GRAN, 2 * GRAN, GRAN];
+    let addrs: Vec<u64> = sizes.iter().enumerate().map(|(i, s)| e.malloc(*s, (i % 2) as i32, 0).unwrap()).collect();
+    e.pop_tag().unwrap();
+    for (i, (a, s)) in addrs.iter().zip(sizes).enumerate() {
+        e.write(*a, &pattern(i as u8, s)).unwrap();
+    }
+    e.sleep(&["weights"]).unwrap();
+    let total: usize = sizes.iter().sum();
+    assert_eq!(sim.counts().host_registered, total.div_ceil(3 * 4096 * 5), "one registration per cell");
+    e.wake(None::<&[&str]>).unwrap();
+    for (i, (a, s)) in addrs.iter().zip(sizes).enumerate() {
+        assert_eq!(e.read(*a, s).unwrap(), pattern(i as u8, s), "allocation {i}");
+    }
+    // The steady sleep reuses the pinned arena: no new registration.
+    e.sleep(&["weights"]).unwrap();
+    e.wake(None::<&[&str]>).unwrap();
+    assert_eq!(sim.counts().calls.iter().find(|c| c.0 == "host_register").unwrap().1 as usize, total.div_ceil(3 * 4096 * 5));
+    for (i, (a, s)) in addrs.iter().zip(sizes).enumerate() {
+        assert_eq!(e.read(*a, s).unwrap(), pattern(i as u8, s), "allocation {i} after the second cycle");
+    }
+    e.close().unwrap();
+    assert_no_leaks(&sim);
+}
+
+#[test]
 fn selective_wake_and_discard() {
     let (sim, e) = engine(1, 16 << 20);
     e.push_tag("weights").unwrap();
