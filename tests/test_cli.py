@@ -2,7 +2,6 @@
 make the demo fail when data does not survive a sleep/wake cycle."""
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path

@@ -214,14 +214,15 @@ def demo_cuda(args: argparse.Namespace) -> int:
 
     for c in range(1, args.cycles + 1):
         free_before = torch.cuda.mem_get_info(device)[0]
-        usage_before = cumem.get_current_usage()
+        mapped_before = core.usage(device)
         _, t = bench.timed(lambda: cumem.sleep(offload_tags=WEIGHTS_TAG), sync)
-        _check_asleep(core.usage(device))
+        mapped_asleep = core.usage(device)
+        _check_asleep(mapped_asleep)
         free_asleep = torch.cuda.mem_get_info(device)[0]
         steps.add(f"sleep #{c} (offload weights, discard kv_cache)", wbytes, t)
         print(f"  GPU free {bench.fmt_bytes(free_before)} -> {bench.fmt_bytes(free_asleep)} "
-              f"(freed {bench.fmt_bytes(free_asleep - free_before)}); CuMemAllocator usage "
-              f"{bench.fmt_bytes(usage_before)} -> {bench.fmt_bytes(cumem.get_current_usage())}; "
+              f"(freed {bench.fmt_bytes(free_asleep - free_before)}); mapped by cumem_rs "
+              f"{bench.fmt_bytes(mapped_before)} -> {bench.fmt_bytes(mapped_asleep)}; "
               f"host backup {bench.fmt_bytes(core.host_bytes())}")
         _, t = bench.timed(cumem.wake_up, sync)
         steps.add(f"wake_up #{c}", wbytes, t)

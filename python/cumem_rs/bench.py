@@ -6,8 +6,8 @@ On a GPU (backend "cuda"):
   steady cycles, as GB/s of the offloaded bytes and as a ratio of the copy limit; data verified every cycle;
 - host RAM held after wake under each `set_keep_host_memory` policy;
 - discard of the KV cache alone (and its re-map) against raw cuMemUnmap+cuMemRelease (cuMemCreate+cuMemMap);
-- 500 allocations of 1-64 MiB: through a torch MemPool over `my_malloc`/`my_free`, through `Allocator.malloc`
-  and against raw driver calls (ctypes on libcuda: no extra dependency, and no caching layer in between);
+- 500 allocations of 1-64 MiB: torch.empty inside `use_memory_pool`, `Allocator.malloc`/`free` directly,
+  all against raw driver calls (ctypes on libcuda: no extra dependency, and no caching layer in between);
 - the same sleep/wake rows for torch_memory_saver when it is installed, in a child process (its default hook
   mode needs LD_PRELOAD, and it must not share the process with our pools).
 
@@ -157,6 +157,11 @@ def timed(fn: Callable[[], Any], sync: Callable[[], None] = lambda: None) -> tup
     return out, time.perf_counter() - t0
 
 
+def _each(fn: Callable[[Any], None], items: list) -> None:
+    for x in items:
+        fn(x)
+
+
 def malloc_sizes(count: int, scale: int, seed: int = 1) -> list[int]:
     """`count` sizes uniform in [1, 64] MiB, divided by `scale` (what a model load requests)."""
     rng = random.Random(seed)
@@ -190,16 +195,22 @@ def _sleep_wake_cycles(res: Results, sleep: Callable[[], Any], wake: Callable[[]
     weights came back bit-identical. The design targets are shown on the GPU only (the sim has no such target)."""
     down, up = ("device->host copy", "host->device copy") if gpu else ("memcpy", "memcpy")
     cold, steady = (" (target >= 0.6)", " (target >= 0.95)") if gpu else ("", "")
-    sleeps, wakes = [], []
+    sleeps: list[float] = []
+    wakes: list[float] = []
+    core_sleeps: list[Optional[float]] = []
+    core_wakes: list[Optional[float]] = []
     for i in range(cycles + 1):
-        _, ts = timed(sleep, sync)
+        rs, ts = timed(sleep, sync)
         left = mapped()
         if left != 0:
             raise VerificationError(f"sleep left {left} bytes mapped")
-        _, tw = timed(wake, sync)
+        rw, tw = timed(wake, sync)
         verify()
         sleeps.append(ts)
         wakes.append(tw)
+        # The core's own timing (its report), to tell the cost of the layers above it from the copies.
+        core_sleeps.append(float(rs["seconds"]) if isinstance(rs, dict) and "seconds" in rs else None)
+        core_wakes.append(float(rw["seconds"]) if isinstance(rw, dict) and "seconds" in rw else None)
         say(f"cycle {i}: sleep {fmt_seconds(ts)}, wake {fmt_seconds(tw)}, weights verified")
     res.bandwidth("sleep_cold", "sleep, cold first (offload weights, discard kv)", wbytes, sleeps[0], d2h,
                   down + cold)
@@ -209,8 +220,15 @@ def _sleep_wake_cycles(res: Results, sleep: Callable[[], Any], wake: Callable[[]
                       down + steady)
         res.bandwidth("wake", f"wake, steady (median of {cycles})", wbytes, statistics.median(wakes[1:]), h2d,
                       up + steady)
-    res.metrics["sleep_all_s"] = sleeps
-    res.metrics["wake_all_s"] = wakes
+        cs = [x for x in core_sleeps[1:] if x is not None]
+        cw = [x for x in core_wakes[1:] if x is not None]
+        if len(cs) == len(cw) == cycles:
+            res.bandwidth("sleep_core", "sleep, steady, time inside the core (its report)", wbytes,
+                          statistics.median(cs), d2h, down)
+            res.bandwidth("wake_core", "wake, steady, time inside the core (its report)", wbytes,
+                          statistics.median(cw), h2d, up)
+    res.metrics.update(sleep_all_s=sleeps, wake_all_s=wakes, sleep_core_all_s=core_sleeps,
+                       wake_core_all_s=core_wakes)
 
 
 def _host_policy_rows(res: Results, core: Any, cycle: Callable[[], tuple[float, float]]) -> None:
@@ -276,10 +294,8 @@ def bench_sim(args: argparse.Namespace) -> Results:
             verify()
         res.skipped("raw driver unmap/release, create/map", "no GPU")
 
-        _, tm = timed(lambda: [alloc.malloc(s) for s in sizes])
-        mine = set(addrs)
-        batch = [a["address"] for a in alloc.allocations() if a["address"] not in mine]
-        _, tf = timed(lambda: [alloc.free(a) for a in batch])
+        batch, tm = timed(lambda: [alloc.malloc(s) for s in sizes])
+        _, tf = timed(lambda: _each(alloc.free, batch))
         n = len(sizes)
         res.latency("malloc_ours", f"Allocator.malloc, {n} x 1-64 MiB/{scale}, per call", tm / n)
         res.latency("free_ours", "Allocator.free, per call", tf / n)
@@ -417,9 +433,7 @@ def _copy_limit(torch: Any, dev_buf: Any, nbytes: int, reps: int = 3) -> tuple[f
     return out[0], out[1]
 
 
-def _malloc_rows_cuda(res: Results, torch: Any, core: Any, sizes: list[int], device: int) -> None:
-    from . import _native
-
+def _malloc_rows_cuda(res: Results, torch: Any, cumem: Any, core: Any, sizes: list[int], device: int) -> None:
     n = len(sizes)
     label = f"{n} x 1-64 MiB"
     raw: Optional[RawDriver]
@@ -428,44 +442,46 @@ def _malloc_rows_cuda(res: Results, torch: Any, core: Any, sizes: list[int], dev
     except Exception as e:  # no libcuda symbols we need: keep the other rows
         raw = None
         res.skipped("raw driver reserve+create+map+access", f"{e}")
-    raw_m = raw_f = None
-    if raw is not None:
-        allocs, tm = timed(lambda: [raw.malloc(s) for s in sizes])
-        _, tf = timed(lambda: [raw.free(*a) for a in allocs])
-        raw_m, raw_f = tm / n, tf / n
+    raw_m: Optional[float] = None
+    raw_f: Optional[float] = None
+    # Two rounds, raw and ours in turn; the second counts (the first warms the driver's own pools up for both).
+    for _ in range(2):
+        if raw is not None:
+            allocs, tm = timed(lambda: [raw.malloc(s) for s in sizes])
+            _, tf = timed(lambda: _each(lambda a: raw.free(*a), allocs))
+            raw_m, raw_f = tm / n, tf / n
+        addrs, ours_m = timed(lambda: [core.malloc(s, device) for s in sizes])
+        _, ours_f = timed(lambda: _each(core.free, addrs))
+    if raw_m is not None and raw_f is not None:
         res.latency("malloc_raw", f"raw driver reserve+create+map+access, {label}, per call", raw_m)
         res.latency("free_raw", "raw driver unmap+release+address free, per call", raw_f)
+    res.latency("malloc_ours", f"Allocator.malloc, {label}, per call", ours_m / n, raw_m,
+                "raw driver (target <= 1.1)")
+    res.latency("free_ours", "Allocator.free, per call", ours_f / n, raw_f, "raw driver (target <= 1.1)")
 
-    addrs, tm = timed(lambda: [core.malloc(s, device) for s in sizes])
-    _, tf = timed(lambda: [core.free(a) for a in addrs])
-    res.latency("malloc_ours", f"Allocator.malloc, {label}, per call", tm / n, raw_m, "raw driver (target <= 1.1)")
-    res.latency("free_ours", "Allocator.free, per call", tf / n, raw_f, "raw driver (target <= 1.1)")
-
-    if "expandable_segments:True" in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""):
-        res.skipped("torch MemPool over my_malloc", "expandable_segments is on (torch #147851)")
-        return
-    # A pool of our own over the same my_malloc/my_free that use_memory_pool uses, so that deleting it (and
-    # emptying the cache) really reaches my_free: use_memory_pool's pools keep freed blocks cached (torch #145168).
-    pluggable = torch.cuda.memory.CUDAPluggableAllocator(_native.__file__, "my_malloc", "my_free")
-    pool = torch.cuda.MemPool(pluggable.allocator())
+    # The path model loading takes: torch.empty inside use_memory_pool, whose MemPool is dropped at the end of the
+    # block; the segments go back through my_free once their tensors die and torch empties its cache.
     before = len(core.allocations())
     sync = torch.cuda.synchronize
-    with torch.cuda.use_mem_pool(pool):
-        tensors, tm = timed(lambda: [torch.empty(s, dtype=torch.uint8, device=device) for s in sizes], sync)
+
+    def alloc_all() -> list:
+        with cumem.use_memory_pool(tag="malloc_bench"):
+            return [torch.empty(s, dtype=torch.uint8, device=device) for s in sizes]
+
+    tensors, tm = timed(alloc_all, sync)
     segments = len(core.allocations()) - before
 
     def release() -> None:
-        nonlocal tensors, pool
+        nonlocal tensors
         tensors = []
-        pool = None
         gc.collect()
         torch.cuda.empty_cache()
 
     _, tf = timed(release, sync)
     left = len(core.allocations()) - before
-    res.latency("malloc_torch_pool", f"torch.empty in a MemPool over my_malloc, {label}, per tensor", tm / n,
-                raw_m, f"raw driver per call; {segments} my_malloc segments")
-    res.latency("free_torch_pool", "del tensors + pool + empty_cache, per tensor", tf / n, raw_f,
+    res.latency("malloc_torch_pool", f"torch.empty in use_memory_pool, {label}, per tensor", tm / n, raw_m,
+                f"raw driver per call; {segments} my_malloc segments")
+    res.latency("free_torch_pool", "del tensors + empty_cache, per tensor", tf / n, raw_f,
                 "raw driver per call" + (f"; {left} segments NOT released" if left else ""))
 
 
@@ -530,7 +546,9 @@ def bench_cuda(args: argparse.Namespace) -> Results:
     _host_policy_rows(res, core, one_cycle)
 
     if kvbytes:
-        _, td = timed(lambda: core.discard(KV_TAG), sync)
+        _, td = timed(lambda: cumem.discard(KV_TAG), sync)
+        tc: Optional[float] = None
+        tu: Optional[float] = None
         try:
             raw = RawDriver(device)
             size = round_up(kvbytes, raw.granularity)
@@ -538,11 +556,11 @@ def bench_cuda(args: argparse.Namespace) -> Results:
             handle, tc = timed(lambda: raw.create_map(ptr, size), sync)
             _, tu = timed(lambda: raw.unmap_release(ptr, size, handle), sync)
             raw.address_free(ptr, size)
-        except Exception as e:
+        except Exception as e:  # the rows of our own calls still count
             tc = tu = None
             res.skipped("raw cuMemUnmap+cuMemRelease", f"{e}")
-        _, tw = timed(lambda: core.wake_up(KV_TAG), sync)
-        res.latency("discard_kv", "discard kv_cache only (Allocator.discard)", td, tu,
+        _, tw = timed(lambda: cumem.wake_up(tags=[KV_TAG]), sync)
+        res.latency("discard_kv", "discard kv_cache only (CuMemAllocator.discard)", td, tu,
                     "raw cuMemUnmap+cuMemRelease", nbytes=kvbytes)
         res.latency("wake_kv", "wake discarded kv_cache (map, no copy)", tw, tc,
                     "raw cuMemCreate+cuMemMap+cuMemSetAccess", nbytes=kvbytes)
@@ -551,7 +569,7 @@ def bench_cuda(args: argparse.Namespace) -> Results:
         verify()
 
     say(f"malloc/free of {args.malloc_count} allocations")
-    _malloc_rows_cuda(res, torch, core, malloc_sizes(args.malloc_count, scale), device)
+    _malloc_rows_cuda(res, torch, cumem, core, malloc_sizes(args.malloc_count, scale), device)
     res.metrics["errors"] = core.errors()
     wl.release()
     gc.collect()
@@ -630,6 +648,17 @@ def _rss_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+class _TmsPools:
+    """torch_memory_saver regions in the place of use_memory_pool. Weights get a cpu backup, the kv cache none:
+    what our sleep(offload_tags="weights") does."""
+
+    def __init__(self, tms: Any):
+        self.tms = tms
+
+    def use_memory_pool(self, tag: str) -> Any:
+        return self.tms.region(tag=tag, enable_cpu_backup=tag == WEIGHTS_TAG)
+
+
 def tms_child(args: argparse.Namespace) -> dict:
     """Runs in the child: the reference workload through torch_memory_saver, same cycles and verification."""
     import torch
@@ -640,14 +669,8 @@ def tms_child(args: argparse.Namespace) -> dict:
         tms.hook_mode = "torch"
     specs = reference_workload(args.scale, args.kv_gib)
     sync = torch.cuda.synchronize
-    tensors = []
-    for spec in specs:
-        # Weights are kept (cpu backup), the kv cache is discarded: what our sleep(offload_tags="weights") does.
-        with tms.region(tag=spec.tag, enable_cpu_backup=spec.tag == WEIGHTS_TAG):
-            tensors.append(torch.empty(spec.shape, dtype=torch.bfloat16, device="cuda"))
     wl = TorchWorkload(specs)
-    wl.tensors = tensors
-    wl.ptrs = [t.data_ptr() for t in tensors]
+    wl.allocate(_TmsPools(tms))
     wl.fill(WEIGHTS_TAG)
     wl.checksum(WEIGHTS_TAG)
     sync()

@@ -221,13 +221,18 @@ class TorchWorkload:
         self._fingerprints: list[Any] = []
 
     def allocate(self, cumem: Any, progress: Any = None) -> None:
+        """One `use_memory_pool(tag)` block per run of same-tag specs, as a model loader does: torch then packs
+        small tensors into shared segments instead of giving each its own."""
+        import itertools
+
         import torch
 
-        for spec in self.specs:
-            with cumem.use_memory_pool(tag=spec.tag):
-                self.tensors.append(torch.empty(spec.shape, dtype=torch.bfloat16, device=self.device))
-            if progress is not None:
-                progress()
+        for tag, group in itertools.groupby(self.specs, key=lambda s: s.tag):
+            with cumem.use_memory_pool(tag=tag):
+                for spec in group:
+                    self.tensors.append(torch.empty(spec.shape, dtype=torch.bfloat16, device=self.device))
+                    if progress is not None:
+                        progress()
         self.ptrs = [t.data_ptr() for t in self.tensors]
 
     def fill(self, tag: str = WEIGHTS_TAG) -> int:
