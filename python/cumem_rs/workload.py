@@ -239,7 +239,7 @@ class TorchWorkload:
         """Random bits (not random bf16 values: every bit pattern, NaNs included, must survive the round trip)."""
         import torch
 
-        gen = torch.Generator(device=self.device)
+        gen = torch.Generator(device=torch.device(self.device))  # an int index means that CUDA device
         gen.manual_seed(self.seed)
         written = 0
         for spec, t in zip(self.specs, self.tensors):
