@@ -1,0 +1,431 @@
+"""CuMemAllocator: the vLLM-compatible torch layer over the process-wide CUDA allocator.
+
+Same public API and semantics as vLLM's `vllm/device_allocator/cumem.py` (`get_instance`, `default_tag`,
+`use_memory_pool`, `sleep`, `wake_up`, `get_current_usage`), plus `discard`, `cudagraph_pool`, `release_pools`
+and `close`. The memory itself is managed by the Rust core (`cumem_rs.Allocator.cuda()`); this module only routes
+torch allocations to it and works around torch's MemPool caveats:
+
+* Routing: one `CUDAPluggableAllocator` over our exported `my_malloc`/`my_free`, a `MemPool` over it, and
+  `use_mem_pool`. The tag of an allocation is the innermost tag on the native, per-thread tag stack, pushed here
+  around the block (torch calls `my_malloc` on the allocating thread).
+* One MemPool per `use_memory_pool` call, as upstream does, dropped after the block. Dropping is what makes torch
+  release the pool's cached but unused segments (through `my_free`): a live MemPool never returns memory, not
+  even on `torch.cuda.empty_cache()` (pytorch#145168). Segments that still hold tensors stay in torch's private
+  pool (torch keeps it while it owns segments) and are released through the pool's own allocator once those
+  tensors die, at the next `torch.cuda.empty_cache()` or out-of-memory retry. That per-pool release is torch >=
+  2.8; older versions fall back to `cudaFree` on our addresses (pytorch#146431), so they are refused.
+* A MemPool is only ever dropped while no pool block is active in the process: torch aborts the process when a
+  pool is destroyed while allocations are being routed to any pool (its event sync asserts that no such routing
+  is under way). Pools to drop wait until the last active block, on any thread, has ended.
+* The pluggable allocator is kept alive for the whole process: torch's private pools hold a raw pointer to it,
+  and a pool released after it (at interpreter shutdown, by a CUDA graph) would call into a dead object.
+* `expandable_segments` cannot be used with a MemPool (pytorch#147851): it is switched off while a pool is in use
+  and the complete previous allocator settings string is restored afterwards.
+* Pools we hold are dropped at exit (atexit), before interpreter teardown.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import ctypes
+import gc
+import logging
+import os
+import re
+import threading
+from collections.abc import Iterable, Iterator
+from typing import Optional, Union
+
+import torch
+
+from . import _native
+from ._native import Allocator, ClosedError, CumemError
+
+logger = logging.getLogger("cumem_rs")
+
+#: Tags whose wake-up may be deferred: `wake_up(tags)` limits only these; every other asleep tag always wakes.
+DEFERRABLE_TAGS = frozenset({"weights", "kv_cache"})
+#: Default tag of `cudagraph_pool`.
+CUDAGRAPH_TAG = "cudagraph"
+
+_MIN_TORCH = (2, 8)
+_GiB = float(1 << 30)
+
+TagArg = Union[str, Iterable[str]]
+
+
+# --- argument checks ---------------------------------------------------------------------------------------------
+
+
+def _check_tag(tag: object) -> str:
+    if not isinstance(tag, str):
+        raise TypeError(f"a tag must be a str, got {type(tag).__name__}")
+    if not tag:
+        raise ValueError("a tag must be a non-empty str")
+    return tag
+
+
+def _tag_tuple(tags: object, name: str) -> tuple[str, ...]:
+    """A str means one tag; any other iterable is a collection of tags (possibly empty)."""
+    if isinstance(tags, str):
+        return (_check_tag(tags),)
+    if isinstance(tags, (bytes, bytearray)) or not isinstance(tags, Iterable):
+        raise TypeError(f"{name} must be a str or a collection of str, got {type(tags).__name__}")
+    return tuple(_check_tag(t) for t in tags)
+
+
+def _torch_version() -> tuple[int, int]:
+    m = re.match(r"(\d+)\.(\d+)", torch.__version__)
+    return (int(m.group(1)), int(m.group(2))) if m else (0, 0)
+
+
+# --- allocator settings (expandable segments) ---------------------------------------------------------------------
+
+_EXPANDABLE_RE = re.compile(r"expandable_segments\s*:\s*(\w+)")
+
+
+def _get_alloc_conf() -> str:
+    """The allocator settings string in force. Newer torch reports the last one set (by env or at run time);
+    torch 2.11 and older only have the environment, read in the order torch's CUDA allocator reads it."""
+    getter = getattr(torch._C, "_accelerator_getAllocatorSettings", None)
+    if getter is not None:
+        try:
+            return str(getter())
+        except Exception:  # a build without the accelerator config: use the environment
+            pass
+    return os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or os.environ.get("PYTORCH_ALLOC_CONF") or ""
+
+
+def _set_alloc_conf(conf: str) -> None:
+    # The whole string is always set: older torch resets the keys it is not given (max_split_size_mb, ...).
+    setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
+    if setter is not None:
+        setter(conf)
+    else:
+        torch.cuda.memory._set_allocator_settings(conf)
+
+
+def _expandable_enabled(conf: str) -> bool:
+    values = _EXPANDABLE_RE.findall(conf)
+    return bool(values) and values[-1].lower() == "true"
+
+
+class _PoolActivity:
+    """Process-wide state of our pool blocks, across threads. While at least one block is active:
+
+    * expandable segments are off; the settings string seen before the first block is restored after the last;
+    * no MemPool is destroyed: pools handed to `exit`/`retire` are kept here and dropped, under the lock (so no
+      block can start meanwhile), when the last block ends.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._depth = 0
+        self._saved_conf: Optional[str] = None
+        self._retired: list[torch.cuda.memory.MemPool] = []
+
+    def enter(self) -> None:
+        with self._lock:
+            if self._depth == 0:
+                conf = _get_alloc_conf()
+                if _expandable_enabled(conf):
+                    _set_alloc_conf(_EXPANDABLE_RE.sub("expandable_segments:False", conf))
+                    self._saved_conf = conf
+            self._depth += 1
+
+    def exit(self, pools: list) -> None:
+        """End one block; `pools` (emptied here, so the caller holds no reference) are dropped once idle."""
+        with self._lock:
+            self._retired.extend(pools)
+            pools.clear()
+            self._depth -= 1
+            if self._depth == 0:
+                try:
+                    if self._saved_conf is not None:
+                        saved, self._saved_conf = self._saved_conf, None
+                        _set_alloc_conf(saved)
+                finally:
+                    self._drop_retired()
+
+    def retire(self, pools: list) -> None:
+        """Drop `pools` (emptied here) now if no block is active, else when the last one ends."""
+        with self._lock:
+            self._retired.extend(pools)
+            pools.clear()
+            if self._depth == 0:
+                self._drop_retired()
+
+    def _drop_retired(self) -> None:
+        # Our references are normally the last: torch releases each pool here, returning its unused segments
+        # through my_free (no Python runs in there, so holding the lock is safe).
+        self._retired.clear()
+
+
+_pool_activity = _PoolActivity()
+
+
+# --- the pluggable allocator ----------------------------------------------------------------------------------------
+
+_PLUGGABLE: Optional[torch.cuda.memory.CUDAPluggableAllocator] = None
+_PLUGGABLE_LOCK = threading.Lock()
+
+
+def _pluggable() -> torch.cuda.memory.CUDAPluggableAllocator:
+    """The one CUDAPluggableAllocator over our `my_malloc`/`my_free`, created once and never destroyed."""
+    global _PLUGGABLE
+    with _PLUGGABLE_LOCK:
+        if _PLUGGABLE is None:
+            pluggable = torch.cuda.memory.CUDAPluggableAllocator(_native.__file__, "my_malloc", "my_free")
+            # Deliberate leak: torch's private pools keep a raw pointer to this C++ allocator and call it when they
+            # release segments, possibly during interpreter shutdown after module globals are cleared. One extra
+            # reference keeps it alive until the process ends (vLLM hit "pure virtual method called" there).
+            ctypes.pythonapi.Py_IncRef(ctypes.py_object(pluggable._allocator))
+            _PLUGGABLE = pluggable
+        return _PLUGGABLE
+
+
+# --- logging --------------------------------------------------------------------------------------------------------
+
+
+def _report_bytes(report: dict, *keys: str) -> int:
+    """A byte count from a core report, by the first key present (the documented name first)."""
+    for key in keys:
+        value = report.get(key)
+        if isinstance(value, int):
+            return value
+    return 0
+
+
+def _rate(nbytes: int, seconds: float) -> float:
+    return nbytes / seconds / 1e9 if seconds > 0 else 0.0
+
+
+# --- CuMemAllocator -------------------------------------------------------------------------------------------------
+
+_INSTANCE_LOCK = threading.Lock()
+
+
+class CuMemAllocator:
+    """Singleton torch allocator whose memory can be put to sleep and woken at the same addresses.
+
+    Tensors created inside `use_memory_pool(tag)` get their memory from cumem_rs under `tag`. `sleep(offload_tags)`
+    copies the allocations of `offload_tags` to host memory and releases all physical memory; `wake_up(tags)` maps
+    memory at the same virtual addresses again and restores the copies. Get it with `get_instance()`.
+    """
+
+    instance: Optional["CuMemAllocator"] = None
+    default_tag: str = "default"
+
+    @classmethod
+    def get_instance(cls) -> "CuMemAllocator":
+        """The process-wide instance (created on first call). Raises CumemError without a usable CUDA GPU."""
+        if cls.instance is None:
+            with _INSTANCE_LOCK:
+                if cls.instance is None:
+                    cls.instance = cls()
+        return cls.instance
+
+    def __init__(self) -> None:
+        if not torch.cuda.is_available():
+            raise CumemError(
+                "CuMemAllocator needs a CUDA GPU, but torch.cuda.is_available() is False "
+                "(no GPU visible, no CUDA driver, or a CPU-only torch build)"
+            )
+        if not _native.cuda_available():
+            raise CumemError(
+                "CuMemAllocator needs a CUDA GPU, but cumem_rs could not load the CUDA driver (libcuda) "
+                "or the driver reports no device"
+            )
+        if _torch_version() < _MIN_TORCH:
+            raise CumemError(
+                f"CuMemAllocator needs torch >= {_MIN_TORCH[0]}.{_MIN_TORCH[1]} (MemPool segments must be released "
+                f"through their own allocator, pytorch#146431); found {torch.__version__}"
+            )
+        backend = torch.cuda.memory.get_allocator_backend()
+        if backend != "native":
+            raise CumemError(
+                f"CuMemAllocator needs torch's native caching allocator (MemPool), but the backend is {backend!r}"
+            )
+        self._native: Allocator = Allocator.cuda()
+        self._pluggable = _pluggable()
+        self._lock = threading.Lock()
+        # Pools handed out by cudagraph_pool, per (tag, device): reused by later captures, dropped by release_pools.
+        self._graph_pools: dict[tuple[str, int], torch.cuda.memory.MemPool] = {}
+        self._closed = False
+        atexit.register(self._at_exit)
+
+    # -- introspection --
+
+    @property
+    def native(self) -> Allocator:
+        """The core allocator (`cumem_rs.Allocator.cuda()`): allocations(), stats(), errors(), ..."""
+        return self._native
+
+    @property
+    def current_tag(self) -> str:
+        """Innermost tag of the calling thread ("default" outside any pool)."""
+        return self._native.current_tag()
+
+    def get_current_usage(self) -> int:
+        """Bytes held by live allocations, awake or asleep (as upstream: every allocation still registered)."""
+        return sum(int(a["size"]) for a in self._native.allocations())
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ClosedError("this CuMemAllocator was closed; call CuMemAllocator.get_instance() for a new one")
+
+    # -- pools --
+
+    def _new_pool(self) -> torch.cuda.memory.MemPool:
+        return torch.cuda.memory.MemPool(self._pluggable._allocator)
+
+    @contextlib.contextmanager
+    def use_memory_pool(self, tag: Optional[str] = None) -> Iterator[None]:
+        """Allocate the tensors created on this thread inside the block from cumem_rs, under `tag`.
+
+        A fresh MemPool serves the block; when the block exits it is dropped, so torch releases the segments
+        left unused (freed temporaries) right away, and the others once their tensors die.
+        """
+        tag = self.default_tag if tag is None else _check_tag(tag)
+        self._check_open()
+        # The pool lives in a list that _PoolActivity.exit empties: this frame must not keep it alive, or it could
+        # be destroyed later, at a moment when another block is routing allocations (torch aborts then).
+        pools = []
+        _pool_activity.enter()
+        try:
+            pools.append(self._new_pool())
+            self._native.push_tag(tag)
+            try:
+                with torch.cuda.memory.use_mem_pool(pools[0]):
+                    yield
+            finally:
+                self._native.pop_tag()
+        finally:
+            _pool_activity.exit(pools)
+
+    @contextlib.contextmanager
+    def cudagraph_pool(self, tag: str = CUDAGRAPH_TAG) -> Iterator[tuple[int, int]]:
+        """Yield a pool id for `torch.cuda.graph(g, pool=...)`: memory the graphs allocate during capture comes from
+        cumem_rs under `tag` (not offloaded by default: it is scratch memory, rewritten by every replay).
+
+        Capture inside this block (it sets the tag and keeps expandable segments off). The same pool is returned
+        for the same tag and device until `release_pools()`, so graphs captured in turn share their memory.
+        vLLM itself captures graphs into the default torch pool; this is the opt-in to have them sleep too.
+        """
+        tag = _check_tag(tag)
+        self._check_open()
+        key = (tag, torch.cuda.current_device())
+        with self._lock:
+            pool = self._graph_pools.get(key)
+            if pool is None:
+                pool = self._graph_pools[key] = self._new_pool()
+        pool_id = pool.id
+        del pool
+        _pool_activity.enter()
+        try:
+            self._native.push_tag(tag)
+            try:
+                yield pool_id
+            finally:
+                self._native.pop_tag()
+        finally:
+            _pool_activity.exit([])
+
+    def release_pools(self) -> None:
+        """Drop the pools this object holds (those of `cudagraph_pool`) and let torch return every unused segment of
+        released pools. Tensors and captured graphs that still use memory keep it."""
+        with self._lock:
+            pools = list(self._graph_pools.values())
+            self._graph_pools.clear()
+        _pool_activity.retire(pools)
+        if torch.cuda.is_initialized():
+            torch.cuda.empty_cache()
+
+    def close(self) -> None:
+        """Release the pools and cached host backup memory; later calls on this object raise ClosedError.
+        Live tensors keep their memory (the core allocator is process-wide and stays open). Idempotent."""
+        if self._closed:
+            return
+        self.release_pools()
+        self._native.trim_host()
+        self._closed = True
+        atexit.unregister(self._at_exit)
+        with _INSTANCE_LOCK:
+            if CuMemAllocator.instance is self:
+                CuMemAllocator.instance = None
+
+    def _at_exit(self) -> None:
+        # Release torch pools while torch, the pluggable allocator and the driver are all still alive.
+        try:
+            self.release_pools()
+        except Exception as e:  # never fail interpreter shutdown
+            logger.debug("cumem_rs: releasing pools at exit failed: %s", e)
+
+    # -- sleep / wake --
+
+    def sleep(self, offload_tags: Optional[TagArg] = None) -> dict:
+        """Back up the allocations of `offload_tags` to host memory and release the physical memory of all.
+
+        None means ("default",), a str one tag, an empty collection backs up nothing. Allocations already asleep
+        keep their state. Returns the core report (backed_up and discarded bytes, allocations, seconds).
+        """
+        tags = (self.default_tag,) if offload_tags is None else _tag_tuple(offload_tags, "offload_tags")
+        self._check_open()
+        # Let torch return segments whose tensors died (released pools): they are freed, not copied to host. This
+        # also hands torch's own cached memory back to the driver, as upstream does after sleeping.
+        gc.collect()
+        torch.cuda.empty_cache()
+        report = self._native.sleep(list(tags))
+        backed_up = _report_bytes(report, "copied_bytes", "backed_up")
+        discarded = _report_bytes(report, "discarded_bytes", "discarded")
+        seconds = float(report.get("seconds", 0.0))
+        logger.info(
+            "cumem_rs: sleep backed up %d bytes (%.2f GiB) of %s and discarded %d bytes (%.2f GiB); "
+            "%d allocations in %.3f s (%.1f GB/s)",
+            backed_up, backed_up / _GiB, list(tags), discarded, discarded / _GiB,
+            int(report.get("allocations", 0)), seconds, _rate(backed_up, seconds),
+        )
+        return report
+
+    def wake_up(self, tags: Optional[TagArg] = None) -> dict:
+        """Map memory at the same addresses again and restore the backups.
+
+        None wakes everything asleep. Otherwise `tags` selects among the deferrable tags ("weights", "kv_cache")
+        only: every other asleep tag always wakes (vLLM semantics). All or nothing: on failure (e.g. out of memory)
+        nothing is woken, backups are kept, CumemError is raised, and a later call can succeed.
+        """
+        requested = None if tags is None else set(_tag_tuple(tags, "tags"))
+        self._check_open()
+        wanted: Optional[list[str]] = None
+        if requested is not None:
+            asleep = {a["tag"] for a in self._native.allocations() if a["asleep"]}
+            wanted = sorted(requested | {t for t in asleep if t not in DEFERRABLE_TAGS})
+        report = self._native.wake_up(wanted)
+        restored = _report_bytes(report, "copied_bytes", "restored")
+        seconds = float(report.get("seconds", 0.0))
+        logger.info(
+            "cumem_rs: wake_up restored %d bytes (%.2f GiB) for %s; %d allocations in %.3f s (%.1f GB/s)",
+            restored, restored / _GiB, "all tags" if wanted is None else wanted,
+            int(report.get("allocations", 0)), seconds, _rate(restored, seconds),
+        )
+        return report
+
+    def discard(self, tags: TagArg) -> dict:
+        """Release the physical memory of the awake allocations of `tags` without backup (contents undefined after
+        the next wake). Other tags are untouched."""
+        wanted = _tag_tuple(tags, "tags")
+        self._check_open()
+        report = self._native.discard(list(wanted))
+        discarded = _report_bytes(report, "discarded_bytes", "discarded")
+        logger.info(
+            "cumem_rs: discard released %d bytes (%.2f GiB) of %s", discarded, discarded / _GiB, list(wanted)
+        )
+        return report
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else f"{self.get_current_usage()} bytes"
+        return f"<CuMemAllocator {state}>"
+
+
+__all__ = ["CUDAGRAPH_TAG", "DEFERRABLE_TAGS", "CuMemAllocator"]
