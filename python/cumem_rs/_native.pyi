@@ -28,6 +28,12 @@ class ClosedError(CumemError):
 def cuda_available() -> bool:
     """True when libcuda can be loaded and reports at least one device. Never raises."""
 
+def ffi_errors() -> list[str]:
+    """Errors recorded by my_malloc/my_free while no CUDA allocator existed to record them (e.g. no GPU)."""
+
+def _panic_in_next_ffi_call(on: bool) -> None:
+    """Test hook: the next my_malloc or my_free call panics inside; the panic must be caught there."""
+
 def is_cuda_allocator_ready() -> bool:
     """True once the process-wide CUDA allocator behind `my_malloc`/`my_free` has been created."""
 
@@ -61,16 +67,24 @@ class Allocator:
         """Innermost tag of this thread, "default" when the stack is empty."""
     def sleep(self, offload_tags: Union[str, Sequence[str]] = ...) -> dict:
         """Back up awake allocations of `offload_tags` to host memory, then release the physical memory of all
-        awake allocations. Returns {"backed_up": bytes, "discarded": bytes, "allocations": n, "seconds": s}."""
+        awake allocations. Returns a report: {"allocations": n, "copied_bytes": bytes backed up,
+        "discarded_bytes": bytes released without backup, "seconds": s, "gb_per_s": copied_bytes / seconds / 1e9}.
+        Sizes are the allocations' rounded (mapped) sizes."""
     def wake_up(self, tags: Optional[Union[str, Sequence[str]]] = None) -> dict:
         """Map new physical memory at the same addresses for asleep allocations of `tags` (None = all) and copy
-        backups back. Transactional: on failure nothing is woken and the backups are kept."""
+        backups back. Transactional: on failure nothing is woken and the backups are kept. Returns a report like
+        sleep's: copied_bytes restored, discarded_bytes woken without contents."""
     def discard(self, tags: Union[str, Sequence[str]]) -> dict:
         """Release awake allocations of `tags` without backup (contents undefined after wake)."""
     def read(self, address: int, size: int) -> bytes:
         """Copy `size` bytes at `address` (inside one awake allocation) to host."""
     def write(self, address: int, data: bytes) -> None:
         """Copy `data` to `address` (inside one awake allocation)."""
+    def info(self) -> dict:
+        """{"backend", "devices": [{"device", "name", "free", "total", "granularity", "rdma_with_vmm"}],
+        "driver_version" (CUDA only)}."""
+    @property
+    def closed(self) -> bool: ...
     def usage(self, device: Optional[int] = None) -> int:
         """Mapped (physical) bytes held by this allocator, on one device or all."""
     def allocations(self) -> list[dict]:
