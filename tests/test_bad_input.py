@@ -1,0 +1,313 @@
+"""Wrong calls: each must fail with the documented exception type, say what was wrong, and lose nothing.
+
+Every test first creates `Witness` allocations holding known data under two tags; after the bad call the
+witnesses must still be listed unchanged and hold the same bytes.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+import cumem_rs
+from cumem_rs import ClosedError, CumemError, CumemOutOfMemoryError
+
+
+class Witness:
+    """Two allocations with random data, one per tag, to prove a failed call lost nothing."""
+
+    def __init__(self, a: cumem_rs.Allocator, size: int = 100_000) -> None:
+        self.a = a
+        self.data: dict[int, bytes] = {}
+        for tag in ("weights", "kv_cache"):
+            a.push_tag(tag)
+            try:
+                addr = a.malloc(size)
+            finally:
+                a.pop_tag()
+            payload = os.urandom(size)
+            a.write(addr, payload)
+            self.data[addr] = payload
+        self.rows = self._rows()
+        self.usage = a.usage()
+
+    def _rows(self) -> dict[int, dict]:
+        return {r["address"]: r for r in self.a.allocations() if r["address"] in self.data}
+
+    def check(self) -> None:
+        assert self._rows() == self.rows, "a failed call changed the witness allocations"
+        assert self.a.usage() == self.usage
+        for addr, payload in self.data.items():
+            assert self.a.read(addr, len(payload)) == payload, f"witness {addr:#x} lost its data"
+
+    @property
+    def weights(self) -> int:
+        return next(a for a, r in self.rows.items() if r["tag"] == "weights")
+
+    @property
+    def kv(self) -> int:
+        return next(a for a, r in self.rows.items() if r["tag"] == "kv_cache")
+
+
+@pytest.fixture
+def w(alloc) -> Witness:
+    return Witness(alloc)
+
+
+# --- sizes ----------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("size", [0, -1, -(1 << 40)])
+def test_malloc_non_positive_size(alloc, w, size):
+    with pytest.raises(ValueError, match=r"(?i)size"):
+        alloc.malloc(size)
+    w.check()
+
+
+def test_malloc_beyond_capacity(alloc, w):
+    free, total = alloc.mem_info(0)
+    with pytest.raises(CumemOutOfMemoryError, match=r"(?i)memory"):
+        alloc.malloc(total + 1)
+    w.check()
+    assert alloc.mem_info(0)[0] == free, "a failed malloc kept physical memory"
+
+
+def test_malloc_absurd_size(alloc, w):
+    # Rounding 2**62 up to the granularity must not overflow into a small size.
+    with pytest.raises(CumemOutOfMemoryError):
+        alloc.malloc(1 << 62)
+    w.check()
+
+
+def test_malloc_size_beyond_u64(alloc, w):
+    # Documented: ints beyond u64 saturate, so they fail as out-of-memory rather than OverflowError.
+    with pytest.raises(CumemOutOfMemoryError):
+        alloc.malloc(1 << 64)
+    w.check()
+
+
+def test_malloc_unknown_device(alloc, w):
+    bad = alloc.device_count()
+    with pytest.raises(ValueError, match=rf"device {bad}"):
+        alloc.malloc(4096, bad)
+    w.check()
+
+
+# --- addresses ------------------------------------------------------------------------------------------------
+
+
+def _unknown_addresses(w: Witness) -> list[int]:
+    # Never allocated; inside a live allocation but not its start; just past the end of one.
+    r = w.rows[w.weights]
+    return [0x1000, w.weights + 1, w.weights + r["size"] + (1 << 40)]
+
+
+def test_free_unknown_address(alloc, w):
+    for addr in _unknown_addresses(w):
+        with pytest.raises(ValueError, match=f"{addr:#x}"):
+            alloc.free(addr)
+    w.check()
+
+
+def test_double_free(alloc, w):
+    addr = alloc.malloc(5000)
+    alloc.free(addr)
+    with pytest.raises(ValueError, match=f"{addr:#x}"):
+        alloc.free(addr)
+    w.check()
+
+
+def test_double_free_of_asleep(alloc, w):
+    alloc.push_tag("other")
+    addr = alloc.malloc(5000)
+    alloc.pop_tag()
+    alloc.sleep(["other", "weights", "kv_cache"])  # offload the witnesses too
+    alloc.free(addr)
+    with pytest.raises(ValueError, match=f"{addr:#x}"):
+        alloc.free(addr)
+    alloc.wake_up()
+    w.check()
+
+
+@pytest.mark.parametrize("bad", ["0x1000", 1.5, None, b"\x00"])
+def test_address_wrong_type(alloc, w, bad):
+    with pytest.raises(TypeError):
+        alloc.free(bad)
+    with pytest.raises(TypeError):
+        alloc.read(bad, 4)
+    with pytest.raises(TypeError):
+        alloc.write(bad, b"abcd")
+    w.check()
+
+
+def test_read_write_outside_allocation(alloc, w):
+    r = w.rows[w.weights]
+    end = w.weights + r["size"]
+    for addr, n in [(end - 4, 8), (w.weights - 4, 8), (0x1000, 4), (end + (1 << 40), 4)]:
+        with pytest.raises(ValueError, match=f"{addr:#x}"):
+            alloc.read(addr, n)
+        with pytest.raises(ValueError, match=f"{addr:#x}"):
+            alloc.write(addr, b"\xff" * n)
+    w.check()
+
+
+def test_read_negative_size(alloc, w):
+    with pytest.raises((ValueError, OverflowError)):
+        alloc.read(w.weights, -1)
+    w.check()
+
+
+def test_read_write_asleep(alloc, w):
+    alloc.sleep("weights")
+    # A state error, not a bad argument: CumemError (a RuntimeError), naming the state.
+    for addr in (w.weights, w.kv):
+        with pytest.raises(CumemError, match=f"{addr:#x}.*asleep"):
+            alloc.read(addr, 4)
+        with pytest.raises(CumemError, match=f"{addr:#x}.*asleep"):
+            alloc.write(addr, b"\x00" * 4)
+    alloc.wake_up()
+    # kv_cache was not offloaded: only the weights witness keeps its data.
+    assert alloc.read(w.weights, len(w.data[w.weights])) == w.data[w.weights]
+
+
+# --- tags -----------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bad", [1, None, b"weights", ["weights"]])
+def test_push_tag_not_str(alloc, w, bad):
+    with pytest.raises(TypeError):
+        alloc.push_tag(bad)
+    assert alloc.current_tag() == "default"
+    w.check()
+
+
+@pytest.mark.parametrize("method", ["sleep", "wake_up", "discard"])
+@pytest.mark.parametrize("bad", [1, [1], ["weights", None], b"weights", [b"weights"]])
+def test_tags_not_str(alloc, w, method, bad):
+    with pytest.raises(TypeError):
+        getattr(alloc, method)(bad)
+    assert all(not r["asleep"] for r in alloc.allocations() if r["address"] in w.data)
+    w.check()
+
+
+def test_empty_tag(alloc, w):
+    with pytest.raises(ValueError, match="(?i)tag"):
+        alloc.push_tag("")
+    assert alloc.current_tag() == "default"
+    for method in ("sleep", "wake_up", "discard"):
+        for bad in ("", ["weights", ""]):
+            with pytest.raises(ValueError, match="(?i)tag"):
+                getattr(alloc, method)(bad)
+    w.check()
+
+
+def test_pop_tag_on_empty_stack(alloc, w):
+    alloc.push_tag("weights")
+    assert alloc.pop_tag() == "weights"
+    with pytest.raises(CumemError, match="pop_tag without a matching push_tag"):
+        alloc.pop_tag()
+    assert alloc.current_tag() == "default"
+    w.check()
+
+
+# --- sleep / wake out of order --------------------------------------------------------------------------------
+
+
+def _byte_counts(report: dict) -> dict:
+    return {k: v for k, v in report.items() if k != "seconds" and isinstance(v, int)}
+
+
+def test_wake_without_sleep_is_noop(alloc, w):
+    report = alloc.wake_up()
+    assert _byte_counts(report) and all(v == 0 for v in _byte_counts(report).values()), report
+    report = alloc.wake_up(["weights", "kv_cache"])
+    assert all(v == 0 for v in _byte_counts(report).values()), report
+    w.check()
+
+
+def test_sleep_twice(alloc, w):
+    first = alloc.sleep("weights")
+    assert first["copied_bytes"] > 0 and first["discarded_bytes"] > 0
+    host = alloc.host_bytes()
+    # Already asleep: nothing to back up or drop again, and "weights" keeps its backup even though this call
+    # would not offload it.
+    second = alloc.sleep("kv_cache")
+    assert (second["copied_bytes"], second["discarded_bytes"], second["allocations"]) == (0, 0, 0), second
+    assert alloc.host_bytes() == host
+    alloc.wake_up()
+    assert alloc.read(w.weights, len(w.data[w.weights])) == w.data[w.weights]
+    if alloc.backend == "sim":  # a GPU may hand back the same physical pages, old data included
+        assert alloc.read(w.kv, len(w.data[w.kv])) != w.data[w.kv]
+
+
+def test_discard_of_asleep_is_noop(alloc, w):
+    alloc.sleep(["weights", "kv_cache"])
+    report = alloc.discard(["weights", "kv_cache"])
+    assert all(v == 0 for v in _byte_counts(report).values()), report
+    assert all(r["backed_up"] for r in alloc.allocations() if r["address"] in w.data)
+    alloc.wake_up()
+    w.check()
+
+
+def test_discard_unknown_tag_is_noop(alloc, w):
+    report = alloc.discard("no-such-tag")
+    assert all(v == 0 for v in _byte_counts(report).values()), report
+    w.check()
+
+
+# --- closed allocator (sim: the CUDA allocator is process-wide and never closed) ------------------------------
+
+
+CLOSED_CALLS = [
+    ("malloc", (4096,)),
+    ("free", (0x1000,)),
+    ("sleep", ("weights",)),
+    ("wake_up", ()),
+    ("discard", ("weights",)),
+    ("read", (0x1000, 4)),
+    ("write", (0x1000, b"x")),
+    ("usage", ()),
+    ("allocations", ()),
+    ("reserve_host", (4096,)),
+    ("push_tag", ("weights",)),
+]
+
+
+@pytest.mark.parametrize("method,args", CLOSED_CALLS, ids=[c[0] for c in CLOSED_CALLS])
+def test_calls_after_close(sim, method, args):
+    addr = sim.malloc(4096)
+    sim.close()
+    sim.close()  # idempotent
+    assert sim.closed
+    with pytest.raises(ClosedError, match="(?i)closed"):
+        getattr(sim, method)(*args)
+    with pytest.raises(ClosedError):
+        sim.free(addr)
+
+
+# --- fault injection arguments --------------------------------------------------------------------------------
+
+
+def test_inject_fault_unknown_op(sim):
+    with pytest.raises(ValueError, match="no_such_op"):
+        sim.inject_fault("no_such_op")
+    assert sim.malloc(4096)  # nothing armed
+
+
+def test_inject_fault_unknown_error(sim):
+    op = cumem_rs.FAULT_OPS[0]
+    with pytest.raises(ValueError, match="no_such_error"):
+        sim.inject_fault(op, 1, "no_such_error")
+
+
+def test_inject_fault_nth_zero(sim):
+    with pytest.raises(ValueError, match="nth"):
+        sim.inject_fault(cumem_rs.FAULT_OPS[0], 0)
+
+
+def test_inject_fault_on_cuda_refused(backend, alloc):
+    if backend != "cuda":
+        pytest.skip("the simulated driver accepts faults")
+    with pytest.raises(CumemError, match="(?i)sim"):
+        alloc.inject_fault(cumem_rs.FAULT_OPS[0])

@@ -1,0 +1,370 @@
+"""The allocator against a model: one hypothesis RuleBasedStateMachine, run on every backend.
+
+The model keeps, per allocation, what the allocator must agree with (address, sizes, device, tag, asleep,
+backed up) and which bytes we know (written by us and not since discarded). Rules drive alloc / free / write /
+read / tag switches / sleep / wake / discard; invariants after every step compare the allocator's own view
+(`allocations()`, `usage()`, and on the simulated driver `driver_counts()`) with the model.
+
+`test_faults.py` subclasses `AllocatorMachine` to add fault injection; the `_faulted` hook below is where a
+failing call is handed to it (here, every unexpected error fails the test).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import numpy as np
+import pytest
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
+
+import cumem_rs
+from conftest import BACKENDS, STATEFUL_SETTINGS, allocator_for, live_counts
+
+TAGS = ["weights", "kv_cache", "default", "other"]
+tag_sets = st.lists(st.sampled_from(TAGS), unique=True, max_size=len(TAGS))
+
+
+@dataclass(eq=False)  # identity: records hold numpy arrays
+class Rec:
+    """Model of one live allocation."""
+
+    address: int
+    size: int  # rounded to the granularity: what is mapped while awake
+    requested: int
+    device: int
+    tag: str
+    asleep: bool = False
+    backed_up: bool = False
+    # Content we can vouch for: data[i] is meaningful where known[i].
+    data: np.ndarray = field(default=None)  # type: ignore[assignment]
+    known: np.ndarray = field(default=None)  # type: ignore[assignment]
+    foreign: bool = False  # cuda only: existed before the test; never freed by us, content unknown
+
+    def __post_init__(self) -> None:
+        if self.data is None:
+            self.data = np.zeros(self.requested, dtype=np.uint8)
+            self.known = np.zeros(self.requested, dtype=bool)
+
+    def forget(self) -> None:
+        self.known[:] = False
+
+
+FAULTED = object()  # returned by _call when a failure was accepted by the `_faulted` hook
+
+
+class AllocatorMachine(RuleBasedStateMachine):
+    backend = "sim"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._cm = allocator_for(self.backend)
+        self.a = self._cm.__enter__()
+        self.sim = self.a.backend == "sim"
+        self.ndev = self.a.device_count() if self.sim else 1
+        self.gran = [self.a.granularity(d) for d in range(self.ndev)]
+        self.capacity = [self.a.mem_info(d)[1] for d in range(self.ndev)]
+        self.model: dict[int, Rec] = {}
+        self.tag_stack: list[str] = []
+        self.usage0 = [self.a.usage(d) for d in range(self.ndev)]
+        # On the process-wide CUDA allocator other code may own allocations: they take part in sleep/wake like
+        # ours (so the model must know them) but are never freed here.
+        for r in self.a.allocations():
+            rec = self._rec_from_row(r)
+            rec.foreign = True
+            self.model[rec.address] = rec
+
+    # --- plumbing ---------------------------------------------------------------------------------------------
+
+    @staticmethod
+    def _rec_from_row(r: dict) -> Rec:
+        return Rec(
+            address=r["address"],
+            size=r["size"],
+            requested=r["requested"],
+            device=r["device"],
+            tag=r["tag"],
+            asleep=r["asleep"],
+            backed_up=r["backed_up"],
+        )
+
+    def _call(self, what: str, fn: Callable, *args, **kw):
+        """Run one allocator call; a CumemError goes to `_faulted`, which may accept it (returns FAULTED)."""
+        try:
+            return fn(*args, **kw)
+        except cumem_rs.CumemError as e:
+            if self._faulted(what, e):
+                return FAULTED
+            raise
+
+    def _faulted(self, what: str, err: Exception) -> bool:
+        """Without fault injection every failure is a bug."""
+        return False
+
+    def _current_tag(self) -> str:
+        return self.tag_stack[-1] if self.tag_stack else "default"
+
+    def _model_usage(self, device: int) -> int:
+        return sum(r.size for r in self.model.values() if r.device == device and not r.asleep)
+
+    def _ours(self, awake: Optional[bool] = None) -> list[Rec]:
+        return [
+            r
+            for _, r in sorted(self.model.items())
+            if not r.foreign and (awake is None or r.asleep != awake)
+        ]
+
+    def _read_all(self, rec: Rec):
+        """The whole allocation as a uint8 array, or None when an injected fault made the read fail."""
+        got = self._call("read", self.a.read, rec.address, rec.requested)
+        return None if got is FAULTED else np.frombuffer(got, dtype=np.uint8)
+
+    def _verify_known(self, rec: Rec) -> None:
+        """Read the whole allocation and compare every byte the model knows."""
+        got = self._read_all(rec)
+        if got is None:
+            return  # the model still knows the bytes; a later read or the teardown checks them
+        bad = np.flatnonzero(rec.known & (got != rec.data))
+        assert bad.size == 0, (
+            f"allocation {rec.address:#x} ({rec.tag}): {bad.size} known bytes differ, first at offset "
+            f"{bad[0]}: got {got[bad[0]]:#x}, expected {rec.data[bad[0]]:#x}"
+        )
+
+    def _pick(self, data, recs: list[Rec]) -> Rec:
+        return data.draw(st.sampled_from(recs), label="allocation")
+
+    # --- rules ------------------------------------------------------------------------------------------------
+
+    @rule(data=st.data())
+    def alloc(self, data):
+        device = data.draw(st.integers(0, self.ndev - 1), label="device")
+        g = self.gran[device]
+        size = data.draw(st.integers(1, 4 * g), label="size")
+        rounded = -(-size // g) * g
+        # The simulated device has a hard capacity, so whether this fits is known exactly.
+        expect_oom = self.sim and rounded > self.capacity[device] - self._model_usage(device)
+        try:
+            addr = self._call("malloc", self.a.malloc, size, device)
+        except cumem_rs.CumemOutOfMemoryError as e:
+            assert expect_oom, f"unexpected OOM for {size} bytes on device {device}: {e}"
+            return
+        if addr is FAULTED:
+            return
+        assert not expect_oom, f"malloc of {rounded} bytes succeeded beyond the capacity of device {device}"
+        assert addr not in self.model, f"malloc returned the live address {addr:#x} again"
+        # torch's caching allocator relies on CUDA's 256-byte alignment (reservations are far more aligned).
+        assert addr % 256 == 0, f"address {addr:#x} is not 256-byte aligned"
+        self.model[addr] = Rec(addr, rounded, size, device, self._current_tag())
+
+    @precondition(lambda self: self._ours())
+    @rule(data=st.data())
+    def free(self, data):
+        rec = self._pick(data, self._ours())
+        if self._call("free", self.a.free, rec.address) is FAULTED:
+            return
+        del self.model[rec.address]
+
+    @precondition(lambda self: self._ours(awake=True))
+    @rule(data=st.data())
+    def write(self, data):
+        rec = self._pick(data, self._ours(awake=True))
+        payload = data.draw(st.binary(min_size=1, max_size=min(512, rec.requested)), label="bytes")
+        off = data.draw(st.integers(0, rec.requested - len(payload)), label="offset")
+        if self._call("write", self.a.write, rec.address + off, payload) is FAULTED:
+            rec.known[off : off + len(payload)] = False  # a failed write may have copied part or all of it
+            return
+        rec.data[off : off + len(payload)] = np.frombuffer(payload, dtype=np.uint8)
+        rec.known[off : off + len(payload)] = True
+
+    @precondition(lambda self: self._ours(awake=True))
+    @rule(data=st.data(), seed=st.integers(0, 2**32 - 1))
+    def fill(self, data, seed):
+        """Write the whole allocation, so that sleep/wake checks cover every byte, not just a few."""
+        rec = self._pick(data, self._ours(awake=True))
+        payload = np.random.default_rng(seed).integers(0, 256, rec.requested, dtype=np.uint8)
+        if self._call("write", self.a.write, rec.address, payload.tobytes()) is FAULTED:
+            rec.forget()  # a failed write may have copied part or all of it
+            return
+        rec.data[:] = payload
+        rec.known[:] = True
+
+    @precondition(lambda self: self._ours(awake=True))
+    @rule(data=st.data())
+    def read(self, data):
+        rec = self._pick(data, self._ours(awake=True))
+        off = data.draw(st.integers(0, rec.requested - 1), label="offset")
+        n = data.draw(st.integers(1, rec.requested - off), label="length")
+        got = self._call("read", self.a.read, rec.address + off, n)
+        if got is FAULTED:
+            return
+        assert isinstance(got, bytes) and len(got) == n
+        got_arr = np.frombuffer(got, dtype=np.uint8)
+        known = rec.known[off : off + n]
+        assert np.array_equal(got_arr[known], rec.data[off : off + n][known]), (
+            f"read of {n} bytes at {rec.address:#x}+{off} does not match what was written"
+        )
+
+    @rule(tag=st.sampled_from(TAGS))
+    def push_tag(self, tag):
+        self.a.push_tag(tag)
+        self.tag_stack.append(tag)
+
+    @precondition(lambda self: self.tag_stack)
+    @rule()
+    def pop_tag(self):
+        assert self.a.pop_tag() == self.tag_stack.pop()
+
+    @rule(offload=st.one_of(st.none(), st.sampled_from(TAGS), tag_sets))
+    def sleep(self, offload):
+        # None: call without the argument (means "default"); a str is one tag; a list is a set of tags.
+        tags = {"default"} if offload is None else {offload} if isinstance(offload, str) else set(offload)
+        awake = [r for r in self.model.values() if not r.asleep]
+        if offload is None:
+            report = self._call("sleep", self.a.sleep)
+        else:
+            report = self._call("sleep", self.a.sleep, offload)
+        if report is FAULTED:
+            return
+        backed = [r for r in awake if r.tag in tags]
+        dropped = [r for r in awake if r.tag not in tags]
+        assert report["copied_bytes"] == sum(r.size for r in backed), report
+        assert report["discarded_bytes"] == sum(r.size for r in dropped), report
+        assert report["allocations"] == len(awake), report
+        for r in backed:
+            r.asleep, r.backed_up = True, True
+        for r in dropped:
+            r.asleep, r.backed_up = True, False
+            r.forget()
+
+    @rule(tags=st.one_of(st.none(), st.sampled_from(TAGS), tag_sets))
+    def wake_up(self, tags):
+        want = set(TAGS) if tags is None else {tags} if isinstance(tags, str) else set(tags)
+        woken = [r for r in self.model.values() if r.asleep and r.tag in want]
+        need = [sum(r.size for r in woken if r.device == d) for d in range(self.ndev)]
+        expect_oom = self.sim and any(
+            need[d] > self.capacity[d] - self._model_usage(d) for d in range(self.ndev)
+        )
+        try:
+            report = self._call("wake_up", self.a.wake_up, tags)
+        except cumem_rs.CumemOutOfMemoryError as e:
+            assert expect_oom, f"unexpected OOM at wake: {e}"
+            return  # transactional: the model (all still asleep, backups kept) stays right
+        if report is FAULTED:
+            return
+        assert not expect_oom, "wake_up mapped more than the device capacity"
+        restored = [r for r in woken if r.backed_up]
+        assert report["allocations"] == len(woken), report
+        assert report["copied_bytes"] == sum(r.size for r in restored), report
+        assert report["discarded_bytes"] == sum(r.size for r in woken if not r.backed_up), report
+        for r in woken:
+            r.asleep, r.backed_up = False, False
+        for r in woken:
+            if r in restored:
+                self._verify_known(r)
+            elif self.sim and not r.foreign:
+                # The simulator promises poison for discarded memory, never silent zeros.
+                got = self._read_all(r)
+                assert got is None or got.any(), f"discarded {r.address:#x} came back all zero"
+
+    @rule(tags=st.one_of(st.sampled_from(TAGS), tag_sets))
+    def discard(self, tags):
+        want = {tags} if isinstance(tags, str) else set(tags)
+        hit = [r for r in self.model.values() if not r.asleep and r.tag in want]
+        if self._call("discard", self.a.discard, tags) is FAULTED:
+            return
+        for r in hit:
+            r.asleep, r.backed_up = True, False
+            r.forget()
+
+    # --- invariants -------------------------------------------------------------------------------------------
+
+    @invariant()
+    def registry_matches_model(self):
+        rows = {r["address"]: r for r in self.a.allocations()}
+        assert set(rows) == set(self.model), (
+            f"allocations() has {sorted(set(rows) - set(self.model))} extra, "
+            f"{sorted(set(self.model) - set(rows))} missing"
+        )
+        for addr, rec in self.model.items():
+            r = rows[addr]
+            assert (r["size"], r["requested"], r["device"], r["tag"], r["asleep"]) == (
+                rec.size,
+                rec.requested,
+                rec.device,
+                rec.tag,
+                rec.asleep,
+            ), f"allocation {addr:#x}: allocator says {r}, model says {rec}"
+            if rec.asleep:
+                assert r["backed_up"] == rec.backed_up, f"allocation {addr:#x}: backed_up {r}"
+
+    @invariant()
+    def no_overlap(self):
+        spans = sorted((r["address"], r["size"]) for r in self.a.allocations())
+        for (a0, s0), (a1, _) in zip(spans, spans[1:]):
+            assert a0 + s0 <= a1, f"allocations overlap: [{a0:#x}, +{s0:#x}) and {a1:#x}"
+
+    @invariant()
+    def usage_matches_model(self):
+        total = 0
+        for d in range(self.ndev):
+            want = self._model_usage(d)
+            total += want
+            assert self.a.usage(d) == want, f"usage({d}) = {self.a.usage(d)}, model says {want}"
+        if self.sim:
+            assert self.a.usage() == total
+            mapped = live_counts(self.a)["mapped_bytes"]
+            assert mapped == total, f"driver maps {mapped} bytes, registry says {total}"
+
+    @invariant()
+    def tag_matches_model(self):
+        assert self.a.current_tag() == self._current_tag()
+
+    # --- teardown ---------------------------------------------------------------------------------------------
+
+    def teardown(self):
+        try:
+            while self.tag_stack:
+                assert self.a.pop_tag() == self.tag_stack.pop()
+            self._teardown_checks()
+        finally:
+            self._cm.__exit__(None, None, None)
+
+    def _teardown_checks(self):
+        # Wake everything (also other code's allocations on CUDA, leaving them as we found them) and check that
+        # what was offloaded came back.
+        if any(r.asleep for r in self.model.values()):
+            self.a.wake_up(None)
+            for rec in self.model.values():
+                if rec.asleep and rec.backed_up:
+                    self._verify_known(rec)
+                rec.asleep = False
+        for rec in self._ours():
+            self.a.free(rec.address)
+            del self.model[rec.address]
+        if not self.sim:
+            return
+        assert self.a.allocations() == []
+        assert self.a.usage() == 0
+        c = live_counts(self.a)
+        assert (c["ranges"], c["handles"], c["mapped_bytes"]) == (0, 0, 0), f"leak after freeing all: {c}"
+        self.a.trim_host()
+        c = live_counts(self.a)
+        assert (c["host_registered"], c["host_allocated"]) == (0, 0), f"host memory held after trim_host: {c}"
+        assert self.a.host_bytes() == 0
+
+
+def machine_for(backend: str, base: type = AllocatorMachine) -> type:
+    """The machine class bound to one backend (hypothesis builds the machine with no arguments)."""
+    return type(f"{base.__name__}_{backend}", (base,), {"backend": backend})
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_allocator_state_machine(backend):
+    run_state_machine_as_test(machine_for(backend), settings=STATEFUL_SETTINGS)
