@@ -149,6 +149,7 @@ impl Engine {
     // ----- tags -------------------------------------------------------------------------------------------
 
     pub fn push_tag(&self, tag: &str) -> Result<()> {
+        drop(self.lock_open()?);
         if tag.is_empty() {
             return Err(Error::invalid("tag must be a non-empty string"));
         }
@@ -426,13 +427,13 @@ impl Engine {
 
     // ----- queries and host memory ------------------------------------------------------------------------
 
-    pub fn usage(&self, device: Option<i32>) -> usize {
-        self.inner.lock().reg.mapped_bytes(device)
+    pub fn usage(&self, device: Option<i32>) -> Result<usize> {
+        Ok(self.lock_open()?.reg.mapped_bytes(device))
     }
 
-    pub fn allocations(&self) -> Vec<AllocationInfo> {
-        let inner = self.inner.lock();
-        inner
+    pub fn allocations(&self) -> Result<Vec<AllocationInfo>> {
+        let inner = self.lock_open()?;
+        Ok(inner
             .reg
             .iter()
             .map(|a| AllocationInfo {
@@ -444,7 +445,7 @@ impl Engine {
                 asleep: !a.is_awake(),
                 backed_up: matches!(a.state, State::Asleep { backup: Some(_) }),
             })
-            .collect()
+            .collect())
     }
 
     pub fn stats(&self) -> Stats {

@@ -256,12 +256,12 @@ impl Allocator {
         if let Some(d) = device {
             self.engine.granularity(d)?;
         }
-        Ok(self.engine.usage(device))
+        Ok(self.engine.usage(device)?)
     }
 
     fn allocations<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
         let list = PyList::empty(py);
-        for a in self.engine.allocations() {
+        for a in self.engine.allocations()? {
             let d = PyDict::new(py);
             d.set_item("address", a.addr)?;
             d.set_item("size", a.size)?;
@@ -374,8 +374,8 @@ impl Allocator {
             "Allocator(backend={:?}, devices={}, live={}, mapped={} bytes)",
             self.backend(),
             self.engine.device_count(),
-            self.engine.allocations().len(),
-            self.engine.usage(None)
+            self.engine.stats().live_allocations,
+            self.engine.stats().mapped_bytes
         )
     }
 }

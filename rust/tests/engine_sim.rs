@@ -30,14 +30,14 @@ fn malloc_rounds_to_granularity_and_tracks_usage() {
     let (sim, e) = engine(2, 16 << 20);
     let a = e.malloc(1, 0, 0).unwrap();
     let b = e.malloc(GRAN + 1, 1, 0).unwrap();
-    assert_eq!(e.usage(Some(0)), GRAN);
-    assert_eq!(e.usage(Some(1)), 2 * GRAN);
+    assert_eq!(e.usage(Some(0)).unwrap(), GRAN);
+    assert_eq!(e.usage(Some(1)).unwrap(), 2 * GRAN);
     assert_eq!(sim.counts().used_bytes, vec![GRAN, 2 * GRAN]);
-    let infos = e.allocations();
+    let infos = e.allocations().unwrap();
     assert_eq!(infos.iter().map(|i| i.requested).sum::<usize>(), GRAN + 2);
     e.free(a).unwrap();
     e.free(b).unwrap();
-    assert_eq!(e.usage(None), 0);
+    assert_eq!(e.usage(None).unwrap(), 0);
     e.close().unwrap();
     assert_no_leaks(&sim);
 }
@@ -57,7 +57,7 @@ fn sleep_wake_keeps_addresses_and_offloaded_bytes_and_poisons_the_rest() {
 
     let r = e.sleep(&["weights"]).unwrap();
     assert_eq!((r.copied_bytes, r.discarded_bytes, r.allocations), (3 * GRAN, GRAN, 2));
-    assert_eq!(e.usage(None), 0);
+    assert_eq!(e.usage(None).unwrap(), 0);
     assert_eq!(sim.counts().handles, 0, "all physical memory released");
     assert!(matches!(e.read(w, 1), Err(Error::InvalidState(_))));
 
@@ -65,7 +65,7 @@ fn sleep_wake_keeps_addresses_and_offloaded_bytes_and_poisons_the_rest() {
     assert_eq!((r.copied_bytes, r.discarded_bytes), (3 * GRAN, GRAN));
     assert_eq!(e.read(w, 3 * GRAN).unwrap(), data);
     assert!(e.read(kv, GRAN).unwrap().iter().all(|b| *b == POISON));
-    let addrs: Vec<u64> = e.allocations().iter().map(|a| a.addr).collect();
+    let addrs: Vec<u64> = e.allocations().unwrap().iter().map(|a| a.addr).collect();
     assert!(addrs.contains(&w) && addrs.contains(&kv));
     e.close().unwrap();
     assert_no_leaks(&sim);
@@ -112,13 +112,13 @@ fn selective_wake_and_discard() {
     e.write(w, &pattern(1, GRAN)).unwrap();
     let d = e.discard(&["kv_cache"]).unwrap();
     assert_eq!(d.discarded_bytes, GRAN);
-    assert_eq!(e.usage(None), GRAN, "weights untouched by discard");
+    assert_eq!(e.usage(None).unwrap(), GRAN, "weights untouched by discard");
     e.sleep(&["weights"]).unwrap();
     e.wake(Some(&["weights"])).unwrap();
-    assert_eq!(e.usage(None), GRAN, "kv_cache still asleep");
+    assert_eq!(e.usage(None).unwrap(), GRAN, "kv_cache still asleep");
     assert_eq!(e.read(w, GRAN).unwrap(), pattern(1, GRAN));
     e.wake(Some(&["kv_cache"])).unwrap();
-    assert_eq!(e.usage(None), 2 * GRAN);
+    assert_eq!(e.usage(None).unwrap(), 2 * GRAN);
     e.free(kv).unwrap();
     e.free(w).unwrap();
     e.close().unwrap();
@@ -166,7 +166,7 @@ fn failed_wake_keeps_backups_and_a_later_wake_succeeds() {
     let hog = e.malloc(3 * GRAN, 0, 0).unwrap();
     let err = e.wake(None::<&[&str]>).unwrap_err();
     assert!(err.is_out_of_memory(), "{err}");
-    assert!(e.allocations().iter().filter(|a| a.addr != hog).all(|a| a.asleep && a.backed_up));
+    assert!(e.allocations().unwrap().iter().filter(|a| a.addr != hog).all(|a| a.asleep && a.backed_up));
     assert_eq!(sim.counts().handles, 1, "what the failed wake mapped was released again");
     e.free(hog).unwrap();
     e.wake(None::<&[&str]>).unwrap();
@@ -213,7 +213,7 @@ fn a_fault_at_every_driver_call_is_reported_and_nothing_leaks() {
             let recorded = e.errors();
             assert!(result.is_err() || !recorded.is_empty(), "fault {name}#{nth} vanished");
             // Registry and driver agree after the failure.
-            assert_eq!(e.usage(None), sim.counts().mapped_bytes, "fault {name}#{nth}");
+            assert_eq!(e.usage(None).unwrap(), sim.counts().mapped_bytes, "fault {name}#{nth}");
             sim.clear_faults();
             // Everything still works: wake what is asleep, and all of it can be freed.
             e.wake(None::<&[&str]>).unwrap();
@@ -258,8 +258,8 @@ fn threads_allocate_while_another_sleeps_and_wakes() {
             }
         });
     });
-    assert_eq!(e.allocations().len(), 0);
-    assert_eq!(e.usage(None), 0);
+    assert_eq!(e.allocations().unwrap().len(), 0);
+    assert_eq!(e.usage(None).unwrap(), 0);
     e.close().unwrap();
     assert_no_leaks(&sim);
 }

@@ -79,7 +79,7 @@ impl CudaDriver {
             return Err(Error::NoCuda("libcuda.so could not be loaded (no NVIDIA driver on this machine)".into()));
         }
         std::panic::catch_unwind(Self::init).unwrap_or_else(|p| {
-            Err(Error::NoCuda(format!("loading the CUDA driver panicked: {}", crate::panic_message(&p))))
+            Err(Error::NoCuda(format!("loading the CUDA driver panicked: {}", crate::panic_message(&*p))))
         })
     }
 

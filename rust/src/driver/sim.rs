@@ -111,7 +111,9 @@ pub struct SimDriver {
 }
 
 fn os_err(op: Op, e: rustix::io::Errno) -> Error {
-    Error::Driver { op: op.name(), code: 999, name: format!("host emulation: {e}") }
+    // The host running out of address space or memory is what CUDA reports as CUDA_ERROR_OUT_OF_MEMORY.
+    let code = if e == rustix::io::Errno::NOMEM { 2 } else { 999 };
+    Error::driver(op.name(), code, format!("host emulation: {e}"))
 }
 
 impl SimDriver {
