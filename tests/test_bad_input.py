@@ -70,19 +70,20 @@ def test_malloc_beyond_capacity(alloc, w):
     with pytest.raises(CumemOutOfMemoryError, match=r"(?i)memory"):
         alloc.malloc(total + 1)
     w.check()
-    assert alloc.mem_info(0)[0] == free, "a failed malloc kept physical memory"
+    if alloc.backend == "sim":  # a GPU's free memory also moves with other processes
+        assert alloc.mem_info(0)[0] == free, "a failed malloc kept physical memory"
 
 
 def test_malloc_absurd_size(alloc, w):
     # Rounding 2**62 up to the granularity must not overflow into a small size.
-    with pytest.raises(CumemOutOfMemoryError):
+    with pytest.raises(CumemOutOfMemoryError, match="out of memory"):
         alloc.malloc(1 << 62)
     w.check()
 
 
 def test_malloc_size_beyond_u64(alloc, w):
     # Documented: ints beyond u64 saturate, so they fail as out-of-memory rather than OverflowError.
-    with pytest.raises(CumemOutOfMemoryError):
+    with pytest.raises(CumemOutOfMemoryError, match="out of memory"):
         alloc.malloc(1 << 64)
     w.check()
 
@@ -132,12 +133,9 @@ def test_double_free_of_asleep(alloc, w):
 
 @pytest.mark.parametrize("bad", ["0x1000", 1.5, None, b"\x00"])
 def test_address_wrong_type(alloc, w, bad):
-    with pytest.raises(TypeError):
-        alloc.free(bad)
-    with pytest.raises(TypeError):
-        alloc.read(bad, 4)
-    with pytest.raises(TypeError):
-        alloc.write(bad, b"abcd")
+    for call in (lambda: alloc.free(bad), lambda: alloc.read(bad, 4), lambda: alloc.write(bad, b"abcd")):
+        with pytest.raises(TypeError, match=f"address must be an int, not {type(bad).__name__}"):
+            call()
     w.check()
 
 
@@ -153,7 +151,7 @@ def test_read_write_outside_allocation(alloc, w):
 
 
 def test_read_negative_size(alloc, w):
-    with pytest.raises((ValueError, OverflowError)):
+    with pytest.raises(ValueError, match="size.*-1"):
         alloc.read(w.weights, -1)
     w.check()
 
@@ -176,7 +174,7 @@ def test_read_write_asleep(alloc, w):
 
 @pytest.mark.parametrize("bad", [1, None, b"weights", ["weights"]])
 def test_push_tag_not_str(alloc, w, bad):
-    with pytest.raises(TypeError):
+    with pytest.raises(TypeError, match="tag must be a str"):
         alloc.push_tag(bad)
     assert alloc.current_tag() == "default"
     w.check()
@@ -185,7 +183,7 @@ def test_push_tag_not_str(alloc, w, bad):
 @pytest.mark.parametrize("method", ["sleep", "wake_up", "discard"])
 @pytest.mark.parametrize("bad", [1, [1], ["weights", None], b"weights", [b"weights"]])
 def test_tags_not_str(alloc, w, method, bad):
-    with pytest.raises(TypeError):
+    with pytest.raises(TypeError, match="tags? must be a str"):
         getattr(alloc, method)(bad)
     assert all(not r["asleep"] for r in alloc.allocations() if r["address"] in w.data)
     w.check()
@@ -289,21 +287,21 @@ def test_calls_after_close(sim, method, args):
 # --- fault injection arguments --------------------------------------------------------------------------------
 
 
-def test_inject_fault_unknown_op(sim):
-    with pytest.raises(ValueError, match="no_such_op"):
-        sim.inject_fault("no_such_op")
-    assert sim.malloc(4096)  # nothing armed
-
-
-def test_inject_fault_unknown_error(sim):
-    op = cumem_rs.FAULT_OPS[0]
-    with pytest.raises(ValueError, match="no_such_error"):
-        sim.inject_fault(op, 1, "no_such_error")
-
-
-def test_inject_fault_nth_zero(sim):
-    with pytest.raises(ValueError, match="nth"):
-        sim.inject_fault(cumem_rs.FAULT_OPS[0], 0)
+@pytest.mark.parametrize(
+    "args,bad",
+    [(("no_such_op",), "no_such_op"), (("create", 1, "no_such_error"), "no_such_error"), (("create", 0), "nth")],
+    ids=["op", "error", "nth"],
+)
+def test_inject_fault_bad_arguments(sim, args, bad):
+    w = Witness(sim)
+    with pytest.raises(ValueError, match=bad):
+        sim.inject_fault(*args)
+    # Nothing was armed: every operation still works.
+    addr = sim.malloc(4096)
+    sim.sleep(["weights", "kv_cache"])
+    sim.wake_up()
+    sim.free(addr)
+    w.check()
 
 
 def test_inject_fault_on_cuda_refused(backend, alloc):

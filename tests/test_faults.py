@@ -8,8 +8,9 @@ Two parts:
   driver, offloaded data must be intact (awake) or still backed up (asleep), and once the fault is cleared the
   same allocator must wake, hold the right data and free everything without leaking.
 - `FaultyMachine`: the model-based state machine of test_state_machine.py plus rules that arm faults at random
-  points. It is a separate class (not an optional rule in the main machine) so that the main machine keeps its
-  strict rule "every failure is a bug", and its failures read as model bugs, not as fault-handling bugs.
+  points. It is a separate class rather than an optional rule of the main machine, so that the main machine
+  keeps its strict rule "every failure is a bug" (no fault can excuse one there), while this one accepts exactly
+  the failures an armed fault explains and checks what each left behind.
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 import pytest
-from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import invariant, precondition, rule, run_state_machine_as_test
 
@@ -337,7 +337,4 @@ class FaultyMachine(AllocatorMachine):
 
 
 def test_faulty_state_machine():
-    run_state_machine_as_test(
-        machine_for("sim", FaultyMachine),
-        settings=STATEFUL_SETTINGS,
-    )
+    run_state_machine_as_test(machine_for("sim", FaultyMachine), settings=STATEFUL_SETTINGS)

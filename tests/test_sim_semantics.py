@@ -128,6 +128,20 @@ def test_free_asleep_releases_range_and_backup(sim):
     assert_no_leaks(sim)
 
 
+def test_free_of_all_asleep_returns_backup_arena(sim):
+    a, _ = tagged(sim, "weights", 2 * SIM_GRANULARITY)
+    b, _ = tagged(sim, "weights", SIM_GRANULARITY, device=1)
+    sim.sleep("weights")
+    assert sim.stats()["host_backup_bytes"] >= 3 * SIM_GRANULARITY
+    sim.free(a)
+    sim.free(b)
+    s = sim.stats()
+    # No asleep allocation points into the arena any more: it is only cached (keep policy), and trim frees it.
+    assert s["host_backup_bytes"] == 0 and s["host_cached_bytes"] == sim.host_bytes() > 0
+    assert sim.trim_host() == s["host_cached_bytes"]
+    assert_no_leaks(sim)
+
+
 def test_malloc_oom_at_capacity(sim):
     big = sim.malloc(SIM_CAPACITY)
     assert sim.mem_info(0) == (0, SIM_CAPACITY)

@@ -73,7 +73,6 @@ class AllocatorMachine(RuleBasedStateMachine):
         self.capacity = [self.a.mem_info(d)[1] for d in range(self.ndev)]
         self.model: dict[int, Rec] = {}
         self.tag_stack: list[str] = []
-        self.usage0 = [self.a.usage(d) for d in range(self.ndev)]
         # On the process-wide CUDA allocator other code may own allocations: they take part in sleep/wake like
         # ours (so the model must know them) but are never freed here.
         for r in self.a.allocations():
@@ -245,8 +244,8 @@ class AllocatorMachine(RuleBasedStateMachine):
 
     @rule(tags=st.one_of(st.none(), st.sampled_from(TAGS), tag_sets))
     def wake_up(self, tags):
-        want = set(TAGS) if tags is None else {tags} if isinstance(tags, str) else set(tags)
-        woken = [r for r in self.model.values() if r.asleep and r.tag in want]
+        want = None if tags is None else {tags} if isinstance(tags, str) else set(tags)
+        woken = [r for r in self.model.values() if r.asleep and (want is None or r.tag in want)]
         need = [sum(r.size for r in woken if r.device == d) for d in range(self.ndev)]
         expect_oom = self.sim and any(
             need[d] > self.capacity[d] - self._model_usage(d) for d in range(self.ndev)
