@@ -493,7 +493,9 @@ impl Engine {
     }
 
     pub fn trim_host(&self) -> Result<usize> {
-        self.inner.lock().host.trim()
+        let mut inner = self.inner.lock();
+        self.retry_pending(&mut inner);
+        inner.host.trim()
     }
 
     pub fn errors(&self) -> Vec<String> {
