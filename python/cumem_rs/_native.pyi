@@ -4,7 +4,22 @@ Addresses are plain ints (device virtual addresses; on the simulated driver they
 `mmap` reservations, which stay the same across sleep/wake exactly as on a GPU).
 """
 
-from typing import Optional, Sequence, Union
+from typing import Optional, Sequence, Union, final
+
+__all__ = [
+    "__version__",
+    "FAULT_OPS",
+    "FAULT_ERRORS",
+    "CumemError",
+    "CumemOutOfMemoryError",
+    "DriverError",
+    "ClosedError",
+    "Allocator",
+    "cuda_available",
+    "is_cuda_allocator_ready",
+    "ffi_errors",
+    "_panic_in_next_ffi_call",
+]
 
 __version__: str
 
@@ -37,14 +52,17 @@ def _panic_in_next_ffi_call(on: bool) -> None:
 def is_cuda_allocator_ready() -> bool:
     """True once the process-wide CUDA allocator behind `my_malloc`/`my_free` has been created."""
 
+# A native (PyO3) class: it cannot be subclassed.
+@final
 class Allocator:
     """Virtual-memory allocator over one driver (simulated or CUDA)."""
 
     @staticmethod
     def simulated(
-        devices: int = 1, capacity: int = 1 << 30, granularity: int = 2 << 20
+        devices: Optional[int] = None, capacity: Optional[int] = None, granularity: Optional[int] = None
     ) -> "Allocator":
-        """A fresh allocator over a new simulated driver. `capacity` is physical bytes per device."""
+        """A fresh allocator over a new simulated driver. `capacity` is physical bytes per device.
+        None means the default: 1 device, 1 GiB capacity, 2 MiB granularity."""
     @staticmethod
     def cuda() -> "Allocator":
         """The process-wide CUDA allocator (the one `my_malloc`/`my_free` use). Raises CumemError without a GPU."""
@@ -65,8 +83,8 @@ class Allocator:
         """Undo the last push_tag of this thread and return its tag."""
     def current_tag(self) -> str:
         """Innermost tag of this thread, "default" when the stack is empty."""
-    def sleep(self, offload_tags: Union[str, Sequence[str]] = ...) -> dict:
-        """Back up awake allocations of `offload_tags` to host memory, then release the physical memory of all
+    def sleep(self, offload_tags: Optional[Union[str, Sequence[str]]] = None) -> dict:
+        """None means ("default",). Back up awake allocations of `offload_tags` to host memory, then release the physical memory of all
         awake allocations. Returns a report: {"allocations": n, "copied_bytes": bytes backed up,
         "discarded_bytes": bytes released without backup, "seconds": s, "gb_per_s": copied_bytes / seconds / 1e9}.
         Sizes are the allocations' rounded (mapped) sizes."""
