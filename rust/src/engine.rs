@@ -672,10 +672,12 @@ impl Engine {
                 if from >= cell_end {
                     break;
                 }
-                let piece = from - alloc_start;
-                if let Err(e) = self.driver.copy_d2h(a.device, arena.at(from), a.addr + piece as u64, to - from) {
-                    result = Err(e);
-                    break 'cells;
+                for (off, len) in arena.split_at_pieces(from, to - from) {
+                    let dev = a.addr + (off - alloc_start) as u64;
+                    if let Err(e) = self.driver.copy_d2h(a.device, arena.at(off), dev, len) {
+                        result = Err(e);
+                        break 'cells;
+                    }
                 }
                 if alloc_start + a.size > cell_end {
                     break; // the rest of this allocation belongs to the next cell
@@ -691,13 +693,16 @@ impl Engine {
     /// Queue host-to-device copies of every backed-up allocation among `addrs`, then wait once per device.
     fn copy_in(&self, inner: &Inner, addrs: &[DevPtr], report: &mut Report) -> Result<()> {
         let mut result = Ok(());
-        for addr in addrs {
+        'allocs: for addr in addrs {
             let a = inner.reg.get(*addr).expect("selected");
             match &a.state {
                 State::Asleep { backup: Some(b) } => {
-                    if let Err(e) = self.driver.copy_h2d(a.device, a.addr, b.arena.at(b.offset), a.size) {
-                        result = Err(e);
-                        break;
+                    for (off, len) in b.arena.split_at_pieces(b.offset, a.size) {
+                        let dev = a.addr + (off - b.offset) as u64;
+                        if let Err(e) = self.driver.copy_h2d(a.device, dev, b.arena.at(off), len) {
+                            result = Err(e);
+                            break 'allocs;
+                        }
                     }
                     report.copied_bytes += a.size;
                 }

@@ -99,6 +99,30 @@ impl HostBuffer {
         }
     }
 
+    /// Split bytes [offset, offset+len) at the boundaries of pinned pieces: CUDA refuses an async copy whose
+    /// host side spans two registrations (CUDA_ERROR_INVALID_VALUE), so each copy must stay inside one.
+    pub fn split_at_pieces(&self, offset: usize, len: usize) -> Vec<(usize, usize)> {
+        let end = offset + len;
+        let mut cuts: Vec<usize> = match &self.origin {
+            Origin::Mapped { pinned } => pinned
+                .iter()
+                .flat_map(|&(p, l)| [p - self.ptr, p - self.ptr + l])
+                .filter(|c| *c > offset && *c < end)
+                .collect(),
+            Origin::DriverAlloc => Vec::new(),
+        };
+        cuts.sort_unstable();
+        cuts.dedup();
+        let mut out = Vec::with_capacity(cuts.len() + 1);
+        let mut start = offset;
+        for c in cuts {
+            out.push((start, c - start));
+            start = c;
+        }
+        out.push((start, end - start));
+        out
+    }
+
     /// Address of byte `offset`, for copies of at most `len - offset` bytes.
     pub fn at(&self, offset: usize) -> HostPtr {
         assert!(offset <= self.len, "offset {offset} outside host buffer of {} bytes", self.len);

@@ -212,6 +212,16 @@ impl State {
         cursor >= end
     }
 
+    /// As on CUDA, the host side of a copy that starts in registered memory must stay inside that one
+    /// registration (a copy spanning two registrations fails with CUDA_ERROR_INVALID_VALUE).
+    fn host_range_ok(&self, ptr: usize, size: usize) -> bool {
+        self.host_registered
+            .iter()
+            .chain(self.host_allocated.iter())
+            .find(|(&p, &l)| p <= ptr && ptr < p + l)
+            .is_none_or(|(&p, &l)| ptr + size <= p + l)
+    }
+
     fn drop_handle_if_done(&mut self, handle: u64) {
         let done = self.handles.get(&handle).is_some_and(|h| h.released && h.map_count == 0);
         if done {
@@ -402,6 +412,9 @@ impl Driver for SimDriver {
         if !st.accessible(src, size) {
             return Err(Error::driver(Op::CopyD2H.name(), 1, "CUDA_ERROR_INVALID_VALUE (source not mapped)"));
         }
+        if !st.host_range_ok(dst.0, size) {
+            return Err(Error::driver(Op::CopyD2H.name(), 1, "CUDA_ERROR_INVALID_VALUE (host range spans registrations)"));
+        }
         // SAFETY: the source is mapped read-write (checked under the lock, which unmap also takes); the destination
         // is a live host buffer of at least `size` bytes that the caller keeps alive (Driver contract).
         unsafe { std::ptr::copy_nonoverlapping(src as *const u8, dst.0 as *mut u8, size) };
@@ -414,6 +427,9 @@ impl Driver for SimDriver {
         st.enter(Op::CopyH2D)?;
         if !st.accessible(dst, size) {
             return Err(Error::driver(Op::CopyH2D.name(), 1, "CUDA_ERROR_INVALID_VALUE (destination not mapped)"));
+        }
+        if !st.host_range_ok(src.0, size) {
+            return Err(Error::driver(Op::CopyH2D.name(), 1, "CUDA_ERROR_INVALID_VALUE (host range spans registrations)"));
         }
         // SAFETY: as in copy_d2h, with the roles swapped.
         unsafe { std::ptr::copy_nonoverlapping(src.0 as *const u8, dst as *mut u8, size) };
