@@ -14,7 +14,7 @@ import platform
 import sys
 from typing import Any, Callable, Iterator, Optional
 
-from . import bench
+from . import bench, bench_multi
 from .workload import (
     DEFAULT_KV_GIB,
     KV_TAG,
@@ -288,6 +288,12 @@ def build_parser() -> argparse.ArgumentParser:
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     bench.add_arguments(b)
     b.set_defaults(func=bench.run)
+
+    bm = sub.add_parser("bench-multi", help="aggregate sleep/wake bandwidth of several GPUs in one process",
+                        description=(bench_multi.__doc__ or "").strip(),
+                        formatter_class=argparse.RawDescriptionHelpFormatter)
+    bench_multi.add_arguments(bm)
+    bm.set_defaults(func=bench_multi.run)
     return p
 
 
