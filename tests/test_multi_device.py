@@ -100,8 +100,8 @@ class _Layout:
         self.size: dict[tuple[int, str], int] = {}
         for d in self.devices:
             for i, tag in enumerate(("weights", "kv_cache")):
-                # Odd sizes: the tail granule is partly used; different per device and tag.
-                size = (2 + d + i) * unit + 4097 * (d + 1)
+                # Odd sizes: the tail granule is partly used; different per device and tag (bounded, for 8 GPUs).
+                size = (2 + d % 3 + i) * unit + 4097 * (d + 1)
                 a.push_tag(tag)
                 try:
                     self.addr[d, tag] = a.malloc(size, device=d)
