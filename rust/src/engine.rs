@@ -21,6 +21,7 @@ use crate::driver::{DevPtr, Driver, HostPtr, PhysHandle};
 use crate::error::{Error, Result};
 use crate::host::{HostBuffer, HostPool};
 use crate::registry::{self, Allocation, Backup, Registry, State};
+use crate::transfer;
 
 /// At most this many recorded errors are kept (oldest dropped first).
 const MAX_RECORDED_ERRORS: usize = 1000;
@@ -108,7 +109,9 @@ fn tag_set<S: AsRef<str>>(tags: &[S]) -> HashSet<&str> {
 impl Engine {
     pub fn new(driver: Arc<dyn Driver>) -> Result<Engine> {
         let devices = driver.device_count()?;
-        let granularity = (0..devices as i32).map(|d| driver.granularity(d)).collect::<Result<Vec<_>>>()?;
+        let granularity = (0..devices as i32)
+            .map(|d| driver.granularity(d))
+            .collect::<Result<Vec<_>>>()?;
         let inner = Inner {
             reg: Registry::default(),
             host: HostPool::new(driver.clone()),
@@ -119,7 +122,12 @@ impl Engine {
             closed: false,
             pin_chunk: PIN_CHUNK,
         };
-        Ok(Engine { id: NEXT_ENGINE_ID.fetch_add(1, Ordering::Relaxed), driver, granularity, inner: Mutex::new(inner) })
+        Ok(Engine {
+            id: NEXT_ENGINE_ID.fetch_add(1, Ordering::Relaxed),
+            driver,
+            granularity,
+            inner: Mutex::new(inner),
+        })
     }
 
     /// Cell size of pipelined pinning during a cold sleep, rounded up to whole pages.
@@ -141,9 +149,15 @@ impl Engine {
     }
 
     pub fn granularity(&self, device: i32) -> Result<usize> {
-        usize::try_from(device).ok().and_then(|d| self.granularity.get(d).copied()).ok_or_else(|| {
-            Error::invalid(format!("device {device} does not exist ({} devices)", self.granularity.len()))
-        })
+        usize::try_from(device)
+            .ok()
+            .and_then(|d| self.granularity.get(d).copied())
+            .ok_or_else(|| {
+                Error::invalid(format!(
+                    "device {device} does not exist ({} devices)",
+                    self.granularity.len()
+                ))
+            })
     }
 
     // ----- tags -------------------------------------------------------------------------------------------
@@ -160,7 +174,9 @@ impl Engine {
     pub fn pop_tag(&self) -> Result<String> {
         registry::pop_tag(self.id)
             .map(|t| t.to_string())
-            .ok_or_else(|| Error::InvalidState("pop_tag without a matching push_tag on this thread".into()))
+            .ok_or_else(|| {
+                Error::InvalidState("pop_tag without a matching push_tag on this thread".into())
+            })
     }
 
     pub fn current_tag(&self) -> String {
@@ -174,7 +190,13 @@ impl Engine {
         self.malloc_tagged(size, device, stream, registry::current_tag(self.id))
     }
 
-    pub fn malloc_tagged(&self, size: usize, device: i32, stream: u64, tag: Arc<str>) -> Result<DevPtr> {
+    pub fn malloc_tagged(
+        &self,
+        size: usize,
+        device: i32,
+        stream: u64,
+        tag: Arc<str>,
+    ) -> Result<DevPtr> {
         let gran = self.granularity(device)?;
         if size == 0 {
             return Err(Error::invalid("size must be positive"));
@@ -182,7 +204,9 @@ impl Engine {
         let rounded = size
             .checked_next_multiple_of(gran)
             .filter(|r| *r <= isize::MAX as usize)
-            .ok_or_else(|| Error::OutOfMemory { what: format!("malloc of {size} bytes") })?;
+            .ok_or_else(|| Error::OutOfMemory {
+                what: format!("malloc of {size} bytes"),
+            })?;
         let mut inner = self.lock_open()?;
         self.retry_pending(&mut inner);
         let addr = self.driver.reserve(device, rounded)?;
@@ -216,7 +240,11 @@ impl Engine {
     }
 
     fn free_locked(&self, inner: &mut Inner, addr: DevPtr) -> Result<()> {
-        let a = inner.reg.get(addr).ok_or(Error::UnknownAddress(addr))?.clone();
+        let a = inner
+            .reg
+            .get(addr)
+            .ok_or(Error::UnknownAddress(addr))?
+            .clone();
         if let State::Awake { handle } = a.state {
             // The caller's work on this memory must be finished before it is unmapped (a no-op during capture).
             self.driver.synchronize(a.device, a.stream)?;
@@ -234,6 +262,12 @@ impl Engine {
 
     /// Back up awake allocations whose tag is in `offload_tags`, then release the physical memory of every awake
     /// allocation. Allocations already asleep keep their state and backup.
+    ///
+    /// Order: synchronize; queue every backup copy (pinning a cold arena cell by cell meanwhile); release the
+    /// allocations that need no backup while those copies run; then, cell by cell as the copies finish, release
+    /// the backed-up allocations. An allocation is released only once its whole backup is known to be on the
+    /// host, so after any failure each offloaded allocation is either awake with its data or asleep with a
+    /// complete backup. Allocations of other tags are released without backup as asked, failure or not.
     pub fn sleep<S: AsRef<str>>(&self, offload_tags: &[S]) -> Result<Report> {
         let start = Instant::now();
         let offload = tag_set(offload_tags);
@@ -244,107 +278,183 @@ impl Engine {
             return Ok(Report::default());
         }
         self.synchronize_devices(&inner, &targets)?;
+        let (backed, bare): (Vec<DevPtr>, Vec<DevPtr>) = targets
+            .iter()
+            .partition(|a| offload.contains(&*inner.reg.get(**a).expect("selected").tag));
+        let mut report = Report::default();
 
-        // 1. Copy everything to back up into one host arena, then wait once per device. Nothing is released
-        //    yet, so a failure here leaves every allocation awake with its data.
-        let to_backup: Vec<DevPtr> =
-            targets.iter().copied().filter(|a| offload.contains(&*inner.reg.get(*a).expect("selected").tag)).collect();
-        let mut backups: Vec<Option<Backup>> = vec![None; targets.len()];
-        let mut copied = 0usize;
-        if !to_backup.is_empty() {
-            let total: usize = to_backup.iter().map(|a| inner.reg.get(*a).expect("selected").size).sum();
-            let mut arena = match inner.host.take_cached(total) {
+        // 1. Queue the backup copies.
+        let (jobs, total) = transfer::layout(backed.iter().map(|a| {
+            let a = inner.reg.get(*a).expect("selected");
+            (a.device, a.addr, a.size)
+        }));
+        let mut issued = Vec::new();
+        let mut arena = None;
+        let mut first_err = None;
+        if total > 0 {
+            let mut buf = match inner.host.take_cached(total) {
                 Some(buf) => buf,
                 None => {
-                    // Cold sleep: map now, pin piece by piece inside copy_out, overlapping pinning with the copies.
                     inner.host.trim()?;
                     HostBuffer::map_unpinned(&self.driver, total)?
                 }
             };
-            if let Err(e) = self.copy_out(&mut inner, &to_backup, &mut arena) {
-                if let Err(e2) = inner.host.give_back(arena) {
-                    Self::record(&mut inner, "returning host backup memory", &e2);
-                }
-                return Err(e);
+            let mut absorbed = Vec::new();
+            let (cells, result) = transfer::issue_copy_out(
+                &*self.driver,
+                &mut buf,
+                &jobs,
+                inner.pin_chunk,
+                &mut absorbed,
+            );
+            for e in absorbed {
+                Self::record(
+                    &mut inner,
+                    "pinning host backup memory (copying through pageable memory)",
+                    &e,
+                );
             }
-            let arena = Arc::new(arena);
-            inner.arenas.push(arena.clone());
-            let mut offset = 0;
-            for (slot, addr) in targets.iter().enumerate() {
-                if to_backup.contains(addr) {
-                    backups[slot] = Some(Backup { arena: arena.clone(), offset });
-                    offset += inner.reg.get(*addr).expect("selected").size;
-                }
+            if let Err(e) = result {
+                first_err = Some(e);
             }
-            copied = offset;
+            issued = cells;
+            let buf = Arc::new(buf);
+            inner.arenas.push(buf.clone());
+            arena = Some(buf);
         }
 
-        // 2. Release. Each allocation either becomes asleep (with its backup, if any) or, when its unmap fails,
-        //    stays awake with its data; the first such error is raised after all were tried.
-        let mut first_err = None;
-        let mut report = Report::default();
-        for (addr, backup) in targets.iter().zip(backups) {
-            let a = inner.reg.get(*addr).expect("selected").clone();
-            let State::Awake { handle } = a.state else { unreachable!("selected awake") };
-            match self.unmap_release(&mut inner, a.addr, a.size, handle) {
-                Ok(()) => {
-                    if backup.is_none() {
-                        report.discarded_bytes += a.size;
-                    }
-                    report.allocations += 1;
-                    inner.reg.get_mut(*addr).expect("selected").state = State::Asleep { backup };
-                }
-                Err(e) => {
-                    if backup.is_some() {
-                        copied -= a.size;
-                    }
+        // 2. While the copies run, release what needs no backup.
+        for addr in bare {
+            if let Err(e) = self.release_to_sleep(&mut inner, addr, None, &mut report) {
+                first_err.get_or_insert(e);
+            }
+        }
+
+        // 3. As cells finish, release the allocations whose backup is complete. `missing` counts each job's
+        //    cells on the whole grid, so a job with a cell that was never queued (after an error) stays awake.
+        let cell_size = inner.pin_chunk;
+        let mut missing: Vec<usize> = jobs
+            .iter()
+            .map(|j| (j.offset + j.size - 1) / cell_size - j.offset / cell_size + 1)
+            .collect();
+        let mut copies_ok = true;
+        for cell in issued {
+            for (device, marker) in cell.markers {
+                if let Err(e) = self.driver.wait_marker(device, marker) {
+                    copies_ok = false; // release nothing more, but drain every marker
                     first_err.get_or_insert(e);
                 }
             }
+            for j in cell.jobs {
+                missing[j] -= 1;
+                if missing[j] == 0 && copies_ok {
+                    let backup = Backup {
+                        arena: arena.clone().expect("jobs imply an arena"),
+                        offset: jobs[j].offset,
+                    };
+                    match self.release_to_sleep(&mut inner, jobs[j].addr, Some(backup), &mut report)
+                    {
+                        Ok(()) => report.copied_bytes += jobs[j].size,
+                        Err(e) => {
+                            first_err.get_or_insert(e);
+                        }
+                    }
+                }
+            }
         }
-        report.copied_bytes = copied;
-        report.seconds = start.elapsed().as_secs_f64();
+        drop(arena);
         self.collect_unused_arenas(&mut inner);
+        report.seconds = start.elapsed().as_secs_f64();
         inner.stats.sleeps += 1;
         inner.stats.last_sleep = Some(report.clone());
         first_err.map_or(Ok(report), Err)
     }
 
+    /// Unmap and release one awake allocation and mark it asleep with `backup`. A failed unmap leaves it awake.
+    fn release_to_sleep(
+        &self,
+        inner: &mut Inner,
+        addr: DevPtr,
+        backup: Option<Backup>,
+        report: &mut Report,
+    ) -> Result<()> {
+        let a = inner.reg.get(addr).expect("selected");
+        let State::Awake { handle } = a.state else {
+            unreachable!("selected awake")
+        };
+        let size = a.size;
+        self.unmap_release(inner, addr, size, handle)?;
+        if backup.is_none() {
+            report.discarded_bytes += size;
+        }
+        report.allocations += 1;
+        inner.reg.get_mut(addr).expect("selected").state = State::Asleep { backup };
+        Ok(())
+    }
+
     /// Map new physical memory at the same addresses for asleep allocations whose tag is in `tags` (None: all),
     /// and copy their backups back. All or nothing.
+    ///
+    /// Backed-up allocations are mapped first, each one's copy queued right after its map, so the copies run while
+    /// the rest is mapped; allocations without backup are mapped last, under the running copies.
     pub fn wake<S: AsRef<str>>(&self, tags: Option<&[S]>) -> Result<Report> {
         let start = Instant::now();
         let wanted = tags.map(tag_set);
         let mut inner = self.lock_open()?;
         self.retry_pending(&mut inner);
-        let targets =
-            inner.reg.select(|a| !a.is_awake() && wanted.as_ref().is_none_or(|w| w.contains(&*a.tag)));
+        let mut targets = inner
+            .reg
+            .select(|a| !a.is_awake() && wanted.as_ref().is_none_or(|w| w.contains(&*a.tag)));
         if targets.is_empty() {
             return Ok(Report::default());
         }
+        targets.sort_by_key(|a| {
+            !matches!(
+                inner.reg.get(*a).expect("selected").state,
+                State::Asleep { backup: Some(_) }
+            )
+        });
 
-        // 1. Map everything first.
+        let mut report = Report {
+            allocations: targets.len(),
+            ..Report::default()
+        };
         let mut mapped: Vec<(DevPtr, PhysHandle)> = Vec::with_capacity(targets.len());
+        let mut result = Ok(());
         for addr in &targets {
             let a = inner.reg.get(*addr).expect("selected");
-            let (device, size) = (a.device, a.size);
+            let (device, size, backup) = (
+                a.device,
+                a.size,
+                match &a.state {
+                    State::Asleep { backup } => backup.clone(),
+                    State::Awake { .. } => unreachable!("selected asleep"),
+                },
+            );
             match self.map_new(&mut inner, device, *addr, size) {
                 Ok(h) => mapped.push((*addr, h)),
                 Err(e) => {
-                    self.rollback_wake(&mut inner, &mapped);
-                    return Err(e);
+                    result = Err(e);
+                    break;
                 }
             }
+            match backup {
+                Some(b) => {
+                    if let Err(e) = self.copy_back(device, *addr, size, &b) {
+                        result = Err(e);
+                        break;
+                    }
+                    report.copied_bytes += size;
+                }
+                None => report.discarded_bytes += size,
+            }
         }
-
-        // 2. Copy every backup back, then wait once per device.
-        let mut report = Report { allocations: targets.len(), ..Report::default() };
-        if let Err(e) = self.copy_in(&inner, &targets, &mut report) {
+        // Wait even after a failure: no copy may still be writing when the rollback unmaps.
+        result = self.wait_devices(&inner, &targets, result);
+        if let Err(e) = result {
             self.rollback_wake(&mut inner, &mapped);
             return Err(e);
         }
-
-        // 3. Commit.
         for (addr, handle) in mapped {
             inner.reg.get_mut(addr).expect("selected").state = State::Awake { handle };
         }
@@ -356,13 +466,24 @@ impl Engine {
         Ok(report)
     }
 
+    /// Queue the copy of one backup to its allocation, split at the arena's pinned pieces.
+    fn copy_back(&self, device: i32, addr: DevPtr, size: usize, b: &Backup) -> Result<()> {
+        for (off, len) in b.arena.split_at_pieces(b.offset, size) {
+            self.driver
+                .copy_h2d(device, addr + (off - b.offset) as u64, b.arena.at(off), len)?;
+        }
+        Ok(())
+    }
+
     /// Release awake allocations whose tag is in `tags`, without backup. Other tags are untouched.
     pub fn discard<S: AsRef<str>>(&self, tags: &[S]) -> Result<Report> {
         let start = Instant::now();
         let wanted = tag_set(tags);
         let mut inner = self.lock_open()?;
         self.retry_pending(&mut inner);
-        let targets = inner.reg.select(|a| a.is_awake() && wanted.contains(&*a.tag));
+        let targets = inner
+            .reg
+            .select(|a| a.is_awake() && wanted.contains(&*a.tag));
         if targets.is_empty() {
             return Ok(Report::default());
         }
@@ -371,10 +492,13 @@ impl Engine {
         let mut first_err = None;
         for addr in targets {
             let a = inner.reg.get(addr).expect("selected").clone();
-            let State::Awake { handle } = a.state else { unreachable!("selected awake") };
+            let State::Awake { handle } = a.state else {
+                unreachable!("selected awake")
+            };
             match self.unmap_release(&mut inner, a.addr, a.size, handle) {
                 Ok(()) => {
-                    inner.reg.get_mut(addr).expect("selected").state = State::Asleep { backup: None };
+                    inner.reg.get_mut(addr).expect("selected").state =
+                        State::Asleep { backup: None };
                     report.allocations += 1;
                     report.discarded_bytes += a.size;
                 }
@@ -395,7 +519,8 @@ impl Engine {
         let mut out = vec![0u8; len];
         if len > 0 {
             self.driver.synchronize(device, 0)?;
-            self.driver.copy_d2h(device, HostPtr(out.as_mut_ptr() as usize), addr, len)?;
+            self.driver
+                .copy_d2h(device, HostPtr(out.as_mut_ptr() as usize), addr, len)?;
             self.driver.wait(device)?;
         }
         Ok(out)
@@ -406,7 +531,8 @@ impl Engine {
         let device = Self::awake_containing(&inner, addr, data.len())?;
         if !data.is_empty() {
             self.driver.synchronize(device, 0)?;
-            self.driver.copy_h2d(device, addr, HostPtr(data.as_ptr() as usize), data.len())?;
+            self.driver
+                .copy_h2d(device, addr, HostPtr(data.as_ptr() as usize), data.len())?;
             self.driver.wait(device)?;
         }
         Ok(())
@@ -414,7 +540,9 @@ impl Engine {
 
     fn awake_containing(inner: &Inner, addr: DevPtr, len: usize) -> Result<i32> {
         let a = inner.reg.containing(addr, len.max(1)).ok_or_else(|| {
-            Error::invalid(format!("[{addr:#x}, +{len}) is not inside one live allocation"))
+            Error::invalid(format!(
+                "[{addr:#x}, +{len}) is not inside one live allocation"
+            ))
         })?;
         if !a.is_awake() {
             return Err(Error::InvalidState(format!(
@@ -454,7 +582,12 @@ impl Engine {
         s.live_allocations = inner.reg.len();
         s.asleep_allocations = inner.reg.iter().filter(|a| !a.is_awake()).count();
         s.mapped_bytes = inner.reg.mapped_bytes(None);
-        s.asleep_bytes = inner.reg.iter().filter(|a| !a.is_awake()).map(|a| a.size).sum();
+        s.asleep_bytes = inner
+            .reg
+            .iter()
+            .filter(|a| !a.is_awake())
+            .map(|a| a.size)
+            .sum();
         s.host_backup_bytes = inner.arenas.iter().map(|a| a.len()).sum();
         s.host_cached_bytes = inner.host.cached_bytes();
         s.pending_releases = inner.pending.len();
@@ -478,7 +611,9 @@ impl Engine {
 
     pub fn reserve_host(&self, len: usize) -> Result<()> {
         if len == 0 {
-            return Err(Error::invalid("reserve_host needs a positive number of bytes"));
+            return Err(Error::invalid(
+                "reserve_host needs a positive number of bytes",
+            ));
         }
         let mut inner = self.lock_open()?;
         let r = inner.host.reserve(len);
@@ -488,7 +623,11 @@ impl Engine {
 
     fn record_host_fallbacks(&self, inner: &mut Inner) {
         for e in std::mem::take(&mut inner.host.fallbacks) {
-            Self::record(inner, "pinning host backup memory (served by the fallback allocation)", &e);
+            Self::record(
+                inner,
+                "pinning host backup memory (served by the fallback allocation)",
+                &e,
+            );
         }
     }
 
@@ -557,7 +696,13 @@ impl Engine {
     }
 
     /// create + map + set_access at `addr`, undoing its own steps on failure.
-    fn map_new(&self, inner: &mut Inner, device: i32, addr: DevPtr, size: usize) -> Result<PhysHandle> {
+    fn map_new(
+        &self,
+        inner: &mut Inner,
+        device: i32,
+        addr: DevPtr,
+        size: usize,
+    ) -> Result<PhysHandle> {
         let handle = self.driver.create(device, size)?;
         if let Err(e) = self.driver.map(addr, size, handle) {
             self.release_or_queue(inner, handle);
@@ -572,7 +717,13 @@ impl Engine {
     }
 
     /// unmap + release. A failed unmap changes nothing and is returned; a failed release is queued.
-    fn unmap_release(&self, inner: &mut Inner, addr: DevPtr, size: usize, handle: PhysHandle) -> Result<()> {
+    fn unmap_release(
+        &self,
+        inner: &mut Inner,
+        addr: DevPtr,
+        size: usize,
+        handle: PhysHandle,
+    ) -> Result<()> {
         self.driver.unmap(addr, size)?;
         self.release_or_queue(inner, handle);
         Ok(())
@@ -602,7 +753,11 @@ impl Engine {
 
     fn free_range_or_queue(&self, inner: &mut Inner, addr: DevPtr, size: usize) {
         if let Err(e) = self.driver.free_range(addr, size) {
-            Self::record(inner, &format!("address free {addr:#x} (queued for retry)"), &e);
+            Self::record(
+                inner,
+                &format!("address free {addr:#x} (queued for retry)"),
+                &e,
+            );
             inner.pending.push(Pending::FreeRange { addr, size });
         }
     }
@@ -639,77 +794,13 @@ impl Engine {
     }
 
     fn devices_of(inner: &Inner, addrs: &[DevPtr]) -> Vec<i32> {
-        let mut devices: Vec<i32> = addrs.iter().map(|a| inner.reg.get(*a).expect("selected").device).collect();
+        let mut devices: Vec<i32> = addrs
+            .iter()
+            .map(|a| inner.reg.get(*a).expect("selected").device)
+            .collect();
         devices.sort_unstable();
         devices.dedup();
         devices
-    }
-
-    /// Queue device-to-host copies of `addrs` back to back into `arena`, then wait once per device.
-    ///
-    /// The arena is walked in cells of `PIN_CHUNK` bytes: a cell not pinned yet is pinned (touched and
-    /// registered) right before its copies are queued, so the CPU pins cell i+1 while the copy engines drain cell
-    /// i, and a cold sleep costs about max(pin, copy) rather than their sum. A cell the driver refuses to pin
-    /// stays pageable (correct, slower; recorded). On failure every device is still waited for, so that no copy
-    /// into the arena is in flight when it is given back.
-    fn copy_out(&self, inner: &mut Inner, addrs: &[DevPtr], arena: &mut HostBuffer) -> Result<()> {
-        let total: usize = addrs.iter().map(|a| inner.reg.get(*a).expect("selected").size).sum();
-        let mut result = Ok(());
-        let mut next = 0; // index into addrs of the first allocation not wholly copied yet
-        let mut alloc_start = 0; // arena offset of addrs[next]
-        let mut cell = 0;
-        'cells: while cell < total {
-            let cell_end = (cell + inner.pin_chunk).min(total);
-            if !arena.is_pinned_at(cell) {
-                if let Err(e) = arena.pin(cell, cell_end - cell) {
-                    Self::record(inner, "pinning host backup memory (copying through pageable memory)", &e);
-                }
-            }
-            while next < addrs.len() {
-                let a = inner.reg.get(addrs[next]).expect("selected");
-                let from = alloc_start.max(cell);
-                let to = (alloc_start + a.size).min(cell_end);
-                if from >= cell_end {
-                    break;
-                }
-                for (off, len) in arena.split_at_pieces(from, to - from) {
-                    let dev = a.addr + (off - alloc_start) as u64;
-                    if let Err(e) = self.driver.copy_d2h(a.device, arena.at(off), dev, len) {
-                        result = Err(e);
-                        break 'cells;
-                    }
-                }
-                if alloc_start + a.size > cell_end {
-                    break; // the rest of this allocation belongs to the next cell
-                }
-                alloc_start += a.size;
-                next += 1;
-            }
-            cell = cell_end;
-        }
-        self.wait_devices(inner, addrs, result)
-    }
-
-    /// Queue host-to-device copies of every backed-up allocation among `addrs`, then wait once per device.
-    fn copy_in(&self, inner: &Inner, addrs: &[DevPtr], report: &mut Report) -> Result<()> {
-        let mut result = Ok(());
-        'allocs: for addr in addrs {
-            let a = inner.reg.get(*addr).expect("selected");
-            match &a.state {
-                State::Asleep { backup: Some(b) } => {
-                    for (off, len) in b.arena.split_at_pieces(b.offset, a.size) {
-                        let dev = a.addr + (off - b.offset) as u64;
-                        if let Err(e) = self.driver.copy_h2d(a.device, dev, b.arena.at(off), len) {
-                            result = Err(e);
-                            break 'allocs;
-                        }
-                    }
-                    report.copied_bytes += a.size;
-                }
-                _ => report.discarded_bytes += a.size,
-            }
-        }
-        self.wait_devices(inner, addrs, result)
     }
 
     fn wait_devices(&self, inner: &Inner, addrs: &[DevPtr], mut result: Result<()>) -> Result<()> {

@@ -12,7 +12,11 @@ pub enum Error {
 
     /// A driver call failed. `op` is the driver operation, `code` the CUDA result code.
     #[error("driver call {op} failed: {name} (code {code})")]
-    Driver { op: &'static str, code: i32, name: String },
+    Driver {
+        op: &'static str,
+        code: i32,
+        name: String,
+    },
 
     /// Bad argument from the caller (size, tag, address range, fault spec...).
     #[error("invalid argument: {0}")]
@@ -51,7 +55,9 @@ impl Error {
     pub fn driver(op: &'static str, code: i32, name: impl Into<String>) -> Self {
         let name = name.into();
         if code == CUDA_ERROR_OUT_OF_MEMORY {
-            Error::OutOfMemory { what: format!("{op} ({name})") }
+            Error::OutOfMemory {
+                what: format!("{op} ({name})"),
+            }
         } else {
             Error::Driver { op, code, name }
         }

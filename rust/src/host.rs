@@ -16,6 +16,8 @@ use crate::error::{Error, Result};
 /// Below this size one thread touches the pages; above it, the work is split across threads.
 const PARALLEL_TOUCH_MIN: usize = 64 << 20;
 const MAX_TOUCH_THREADS: usize = 16;
+/// Cells pinned at once during a cold sleep (cuMemHostRegister of distinct ranges runs concurrently).
+const MAX_PIN_WORKERS: usize = 8;
 
 enum Origin {
     /// Our own mmap; `pinned` lists the (address, length) pieces registered with the driver so far.
@@ -43,41 +45,116 @@ impl HostBuffer {
         }
         // SAFETY: a fresh private anonymous read-write mapping at an address the kernel chooses.
         let mapped = unsafe {
-            mmap_anonymous(std::ptr::null_mut(), len, ProtFlags::READ | ProtFlags::WRITE, MapFlags::PRIVATE)
+            mmap_anonymous(
+                std::ptr::null_mut(),
+                len,
+                ProtFlags::READ | ProtFlags::WRITE,
+                MapFlags::PRIVATE,
+            )
         };
         let ptr = match mapped {
             Ok(p) => p as usize,
-            Err(e) => return Err(Error::OutOfMemory { what: format!("host backup of {len} bytes: {e}") }),
+            Err(e) => {
+                return Err(Error::OutOfMemory {
+                    what: format!("host backup of {len} bytes: {e}"),
+                })
+            }
         };
         // SAFETY: [ptr, ptr+len) is the mapping made above. Huge pages are a hint; failure only costs speed.
         let _ = unsafe { madvise(ptr as *mut c_void, len, Advice::LinuxHugepage) };
-        Ok(HostBuffer { ptr, len, origin: Origin::Mapped { pinned: Vec::new() }, live: true, driver: driver.clone() })
+        Ok(HostBuffer {
+            ptr,
+            len,
+            origin: Origin::Mapped { pinned: Vec::new() },
+            live: true,
+            driver: driver.clone(),
+        })
     }
 
     /// Touch (from several threads) and register bytes [offset, offset+len). On failure the piece stays
     /// pageable: copies into it are still correct, only slower.
     pub fn pin(&mut self, offset: usize, len: usize) -> Result<()> {
         assert!(offset + len <= self.len, "pin outside the buffer");
-        let Origin::Mapped { pinned } = &mut self.origin else { return Ok(()) };
+        let Origin::Mapped { pinned } = &mut self.origin else {
+            return Ok(());
+        };
         touch_pages(self.ptr + offset, len);
         self.driver.host_register(HostPtr(self.ptr + offset), len)?;
         pinned.push((self.ptr + offset, len));
         Ok(())
     }
 
+    /// Pin the cells (offset, len) not pinned yet, several at a time on worker threads (each touches its cell's
+    /// pages, then registers it), calling `on_ready(buffer, cell index, result)` on this thread as each cell
+    /// finishes, in completion order. A cold sleep queues a cell's copies in `on_ready`, so copies of ready cells
+    /// run on the copy engines while the workers pin the next ones.
+    pub fn pin_cells(
+        &mut self,
+        cells: &[(usize, usize)],
+        mut on_ready: impl FnMut(&HostBuffer, usize, Result<()>),
+    ) {
+        if !matches!(self.origin, Origin::Mapped { .. }) {
+            for i in 0..cells.len() {
+                on_ready(self, i, Ok(()));
+            }
+            return;
+        }
+        let workers = std::thread::available_parallelism()
+            .map_or(1, |n| n.get())
+            .min(MAX_PIN_WORKERS)
+            .min(cells.len());
+        let next = std::sync::atomic::AtomicUsize::new(0);
+        let (tx, rx) = std::sync::mpsc::channel::<(usize, Result<()>)>();
+        let base = self.ptr;
+        std::thread::scope(|s| {
+            for _ in 0..workers {
+                let tx = tx.clone();
+                let (next, driver) = (&next, &self.driver);
+                s.spawn(move || loop {
+                    let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    let Some(&(off, len)) = cells.get(i) else {
+                        break;
+                    };
+                    touch_range(base + off, len);
+                    let r = driver.host_register(HostPtr(base + off), len);
+                    if tx.send((i, r)).is_err() {
+                        break;
+                    }
+                });
+            }
+            drop(tx);
+            for (i, r) in rx {
+                if r.is_ok() {
+                    if let Origin::Mapped { pinned } = &mut self.origin {
+                        pinned.push((base + cells[i].0, cells[i].1));
+                    }
+                }
+                on_ready(self, i, r);
+            }
+        });
+    }
+
     /// Acquire `len` bytes of pinned host memory. When registering failed and the fallback served, the
     /// registration error comes back beside the buffer, for the caller to record.
     pub fn acquire(driver: &Arc<dyn Driver>, len: usize) -> Result<(HostBuffer, Option<Error>)> {
         let mut buf = HostBuffer::map_unpinned(driver, len)?;
-        let Err(register_err) = buf.pin(0, len) else { return Ok((buf, None)) };
+        let Err(register_err) = buf.pin(0, len) else {
+            return Ok((buf, None));
+        };
         drop(buf);
         let p = driver.host_alloc(len).map_err(|e| match e {
-            Error::Driver { .. } | Error::OutOfMemory { .. } => {
-                Error::OutOfMemory { what: format!("host backup of {len} bytes: {register_err}; then {e}") }
-            }
+            Error::Driver { .. } | Error::OutOfMemory { .. } => Error::OutOfMemory {
+                what: format!("host backup of {len} bytes: {register_err}; then {e}"),
+            },
             other => other,
         })?;
-        let buf = HostBuffer { ptr: p.0, len, origin: Origin::DriverAlloc, live: true, driver: driver.clone() };
+        let buf = HostBuffer {
+            ptr: p.0,
+            len,
+            origin: Origin::DriverAlloc,
+            live: true,
+            driver: driver.clone(),
+        };
         Ok((buf, Some(register_err)))
     }
 
@@ -125,7 +202,11 @@ impl HostBuffer {
 
     /// Address of byte `offset`, for copies of at most `len - offset` bytes.
     pub fn at(&self, offset: usize) -> HostPtr {
-        assert!(offset <= self.len, "offset {offset} outside host buffer of {} bytes", self.len);
+        assert!(
+            offset <= self.len,
+            "offset {offset} outside host buffer of {} bytes",
+            self.len
+        );
         HostPtr(self.ptr + offset)
     }
 
@@ -172,15 +253,10 @@ impl Drop for HostBuffer {
 /// faults one by one and the kernel can back the range with huge pages.
 fn touch_pages(ptr: usize, len: usize) {
     let page = rustix::param::page_size();
-    let touch = |start: usize, end: usize| {
-        let mut p = start;
-        while p < end {
-            // SAFETY: p lies inside the live read-write mapping [ptr, ptr+len) that the caller owns.
-            unsafe { std::ptr::write_volatile(p as *mut u8, 0) };
-            p += page;
-        }
-    };
-    let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).min(MAX_TOUCH_THREADS);
+    let touch = |start: usize, end: usize| touch_range(start, end - start);
+    let threads = std::thread::available_parallelism()
+        .map_or(1, |n| n.get())
+        .min(MAX_TOUCH_THREADS);
     if len < PARALLEL_TOUCH_MIN || threads < 2 {
         touch(ptr, ptr + len);
         return;
@@ -197,6 +273,18 @@ fn touch_pages(ptr: usize, len: usize) {
     });
 }
 
+/// Fault in the pages of [ptr, ptr+len) from this thread.
+fn touch_range(ptr: usize, len: usize) {
+    let page = rustix::param::page_size();
+    let mut p = ptr;
+    while p < ptr + len {
+        // SAFETY: p lies inside a live read-write mapping of a HostBuffer that outlives this call; only the
+        // worker that owns this range writes to it, and only to fault the page in.
+        unsafe { std::ptr::write_volatile(p as *mut u8, 0) };
+        p += page;
+    }
+}
+
 /// Host buffers cached for the next sleep.
 pub struct HostPool {
     driver: Arc<dyn Driver>,
@@ -209,7 +297,12 @@ pub struct HostPool {
 
 impl HostPool {
     pub fn new(driver: Arc<dyn Driver>) -> Self {
-        HostPool { driver, cached: Vec::new(), fallbacks: Vec::new(), keep: true }
+        HostPool {
+            driver,
+            cached: Vec::new(),
+            fallbacks: Vec::new(),
+            keep: true,
+        }
     }
 
     /// A buffer of at least `len` bytes: the smallest cached one that fits, else a new one of exactly `len`
@@ -226,7 +319,12 @@ impl HostPool {
 
     /// The smallest cached buffer of at least `len` bytes, if any.
     pub fn take_cached(&mut self, len: usize) -> Option<HostBuffer> {
-        let best = self.cached.iter().enumerate().filter(|(_, b)| b.len() >= len).min_by_key(|(_, b)| b.len());
+        let best = self
+            .cached
+            .iter()
+            .enumerate()
+            .filter(|(_, b)| b.len() >= len)
+            .min_by_key(|(_, b)| b.len());
         best.map(|(i, _)| i).map(|i| self.cached.swap_remove(i))
     }
 

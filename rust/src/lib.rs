@@ -10,6 +10,7 @@ pub mod ffi;
 pub mod global;
 pub mod host;
 pub mod registry;
+pub mod transfer;
 
 #[cfg(feature = "python")]
 mod python;

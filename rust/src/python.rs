@@ -16,10 +16,25 @@ use crate::engine::{Engine, Report};
 use crate::error::Error;
 use crate::{ffi, global};
 
-create_exception!(_native, CumemError, PyRuntimeError, "Base class of every error raised by cumem_rs.");
-create_exception!(_native, CumemOutOfMemoryError, CumemError, "Physical device or host backup memory ran out.");
+create_exception!(
+    _native,
+    CumemError,
+    PyRuntimeError,
+    "Base class of every error raised by cumem_rs."
+);
+create_exception!(
+    _native,
+    CumemOutOfMemoryError,
+    CumemError,
+    "Physical device or host backup memory ran out."
+);
 create_exception!(_native, DriverError, CumemError, "A driver call failed.");
-create_exception!(_native, ClosedError, CumemError, "The allocator was closed.");
+create_exception!(
+    _native,
+    ClosedError,
+    CumemError,
+    "The allocator was closed."
+);
 
 impl From<Error> for PyErr {
     fn from(e: Error) -> PyErr {
@@ -35,29 +50,48 @@ impl From<Error> for PyErr {
 }
 
 fn type_name(obj: &Bound<'_, PyAny>) -> String {
-    obj.get_type().name().map(|n| n.to_string()).unwrap_or_else(|_| "?".into())
+    obj.get_type()
+        .name()
+        .map(|n| n.to_string())
+        .unwrap_or_else(|_| "?".into())
 }
 
 /// An int argument (bools refused). Ints beyond u64 saturate, so absurd sizes fail as out-of-memory.
 fn int_arg(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<i128> {
     if !obj.is_instance_of::<PyInt>() || obj.is_instance_of::<PyBool>() {
-        return Err(PyTypeError::new_err(format!("{what} must be an int, not {}", type_name(obj))));
+        return Err(PyTypeError::new_err(format!(
+            "{what} must be an int, not {}",
+            type_name(obj)
+        )));
     }
-    Ok(obj.extract::<i128>().unwrap_or_else(|_| if obj.lt(0).unwrap_or(false) { i128::MIN } else { i128::MAX }))
+    Ok(obj.extract::<i128>().unwrap_or_else(|_| {
+        if obj.lt(0).unwrap_or(false) {
+            i128::MIN
+        } else {
+            i128::MAX
+        }
+    }))
 }
 
 fn size_arg(obj: &Bound<'_, PyAny>, what: &str, allow_zero: bool) -> PyResult<usize> {
     let v = int_arg(obj, what)?;
     if v < 0 || (v == 0 && !allow_zero) {
-        let need = if allow_zero { "non-negative" } else { "positive" };
-        return Err(PyValueError::new_err(format!("{what} must be {need}, got {v}")));
+        let need = if allow_zero {
+            "non-negative"
+        } else {
+            "positive"
+        };
+        return Err(PyValueError::new_err(format!(
+            "{what} must be {need}, got {v}"
+        )));
     }
     Ok(usize::try_from(v).unwrap_or(usize::MAX))
 }
 
 fn address_arg(obj: &Bound<'_, PyAny>) -> PyResult<u64> {
     let v = int_arg(obj, "address")?;
-    u64::try_from(v).map_err(|_| PyValueError::new_err(format!("address {v} is not a valid device address")))
+    u64::try_from(v)
+        .map_err(|_| PyValueError::new_err(format!("address {v} is not a valid device address")))
 }
 
 fn tag_arg(obj: &Bound<'_, PyAny>) -> PyResult<String> {
@@ -76,9 +110,12 @@ fn tags_arg(obj: &Bound<'_, PyAny>) -> PyResult<Vec<String>> {
     if obj.is_instance_of::<PyString>() {
         return Ok(vec![tag_arg(obj)?]);
     }
-    let iter = obj
-        .try_iter()
-        .map_err(|_| PyTypeError::new_err(format!("tags must be a str or a sequence of str, not {}", type_name(obj))))?;
+    let iter = obj.try_iter().map_err(|_| {
+        PyTypeError::new_err(format!(
+            "tags must be a str or a sequence of str, not {}",
+            type_name(obj)
+        ))
+    })?;
     iter.map(|t| tag_arg(&t?)).collect()
 }
 
@@ -88,7 +125,14 @@ fn report_dict<'py>(py: Python<'py>, r: &Report) -> PyResult<Bound<'py, PyDict>>
     d.set_item("copied_bytes", r.copied_bytes)?;
     d.set_item("discarded_bytes", r.discarded_bytes)?;
     d.set_item("seconds", r.seconds)?;
-    d.set_item("gb_per_s", if r.seconds > 0.0 { r.copied_bytes as f64 / r.seconds / 1e9 } else { 0.0 })?;
+    d.set_item(
+        "gb_per_s",
+        if r.seconds > 0.0 {
+            r.copied_bytes as f64 / r.seconds / 1e9
+        } else {
+            0.0
+        },
+    )?;
     Ok(d)
 }
 
@@ -102,10 +146,11 @@ pub struct Allocator {
 
 impl Allocator {
     fn sim(&self) -> PyResult<&SimDriver> {
-        self.engine
-            .driver()
-            .as_sim()
-            .ok_or_else(|| CumemError::new_err("fault injection and driver counts exist on the simulated driver only"))
+        self.engine.driver().as_sim().ok_or_else(|| {
+            CumemError::new_err(
+                "fault injection and driver counts exist on the simulated driver only",
+            )
+        })
     }
 }
 
@@ -119,20 +164,28 @@ impl Allocator {
         granularity: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Allocator> {
         let defaults = SimConfig::default();
-        let arg = |obj: Option<&Bound<'_, PyAny>>, what, default| obj.map_or(Ok(default), |o| size_arg(o, what, false));
+        let arg = |obj: Option<&Bound<'_, PyAny>>, what, default| {
+            obj.map_or(Ok(default), |o| size_arg(o, what, false))
+        };
         let config = SimConfig {
             devices: arg(devices, "devices", defaults.devices)?,
             capacity: arg(capacity, "capacity", defaults.capacity)?,
             granularity: arg(granularity, "granularity", defaults.granularity)?,
         };
         let engine = Engine::new(Arc::new(SimDriver::new(config)?))?;
-        Ok(Allocator { engine: Arc::new(engine), shared: false })
+        Ok(Allocator {
+            engine: Arc::new(engine),
+            shared: false,
+        })
     }
 
     #[staticmethod]
     fn cuda(py: Python<'_>) -> PyResult<Allocator> {
         let engine = py.detach(global::cuda_engine)?.clone();
-        Ok(Allocator { engine, shared: true })
+        Ok(Allocator {
+            engine,
+            shared: true,
+        })
     }
 
     #[getter]
@@ -188,7 +241,13 @@ impl Allocator {
     }
 
     #[pyo3(signature = (size, device = 0, stream = 0))]
-    fn malloc(&self, py: Python<'_>, size: &Bound<'_, PyAny>, device: i32, stream: u64) -> PyResult<u64> {
+    fn malloc(
+        &self,
+        py: Python<'_>,
+        size: &Bound<'_, PyAny>,
+        device: i32,
+        stream: u64,
+    ) -> PyResult<u64> {
         let size = size_arg(size, "size", false)?;
         let tag = crate::registry::current_tag(self.engine.id());
         Ok(py.detach(|| self.engine.malloc_tagged(size, device, stream, tag))?)
@@ -212,7 +271,11 @@ impl Allocator {
     }
 
     #[pyo3(signature = (offload_tags = None))]
-    fn sleep<'py>(&self, py: Python<'py>, offload_tags: Option<&Bound<'py, PyAny>>) -> PyResult<Bound<'py, PyDict>> {
+    fn sleep<'py>(
+        &self,
+        py: Python<'py>,
+        offload_tags: Option<&Bound<'py, PyAny>>,
+    ) -> PyResult<Bound<'py, PyDict>> {
         let tags = match offload_tags {
             Some(t) => tags_arg(t)?,
             None => vec![crate::registry::DEFAULT_TAG.to_string()],
@@ -222,32 +285,52 @@ impl Allocator {
     }
 
     #[pyo3(signature = (tags = None))]
-    fn wake_up<'py>(&self, py: Python<'py>, tags: Option<&Bound<'py, PyAny>>) -> PyResult<Bound<'py, PyDict>> {
+    fn wake_up<'py>(
+        &self,
+        py: Python<'py>,
+        tags: Option<&Bound<'py, PyAny>>,
+    ) -> PyResult<Bound<'py, PyDict>> {
         let tags = tags.map(tags_arg).transpose()?;
         let r = py.detach(|| self.engine.wake(tags.as_deref()))?;
         report_dict(py, &r)
     }
 
-    fn discard<'py>(&self, py: Python<'py>, tags: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyDict>> {
+    fn discard<'py>(
+        &self,
+        py: Python<'py>,
+        tags: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyDict>> {
         let tags = tags_arg(tags)?;
         let r = py.detach(|| self.engine.discard(&tags))?;
         report_dict(py, &r)
     }
 
-    fn read<'py>(&self, py: Python<'py>, address: &Bound<'py, PyAny>, size: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyBytes>> {
+    fn read<'py>(
+        &self,
+        py: Python<'py>,
+        address: &Bound<'py, PyAny>,
+        size: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyBytes>> {
         let addr = address_arg(address)?;
         let size = size_arg(size, "size", true)?;
         let data = py.detach(|| self.engine.read(addr, size))?;
         Ok(PyBytes::new(py, &data))
     }
 
-    fn write(&self, py: Python<'_>, address: &Bound<'_, PyAny>, data: &Bound<'_, PyAny>) -> PyResult<()> {
+    fn write(
+        &self,
+        py: Python<'_>,
+        address: &Bound<'_, PyAny>,
+        data: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
         let addr = address_arg(address)?;
         let bytes: Vec<u8> = data
             .cast::<PyBytes>()
             .map(|b| b.as_bytes().to_vec())
             .or_else(|_| data.extract::<Vec<u8>>())
-            .map_err(|_| PyTypeError::new_err(format!("data must be bytes, not {}", type_name(data))))?;
+            .map_err(|_| {
+                PyTypeError::new_err(format!("data must be bytes, not {}", type_name(data)))
+            })?;
         Ok(py.detach(|| self.engine.write(addr, &bytes))?)
     }
 
@@ -291,8 +374,20 @@ impl Allocator {
         d.set_item("wakes", s.wakes)?;
         d.set_item("recorded_errors", s.recorded_errors)?;
         d.set_item("pending_releases", s.pending_releases)?;
-        d.set_item("last_sleep", s.last_sleep.as_ref().map(|r| report_dict(py, r)).transpose()?)?;
-        d.set_item("last_wake", s.last_wake.as_ref().map(|r| report_dict(py, r)).transpose()?)?;
+        d.set_item(
+            "last_sleep",
+            s.last_sleep
+                .as_ref()
+                .map(|r| report_dict(py, r))
+                .transpose()?,
+        )?;
+        d.set_item(
+            "last_wake",
+            s.last_wake
+                .as_ref()
+                .map(|r| report_dict(py, r))
+                .transpose()?,
+        )?;
         Ok(d)
     }
 
@@ -321,14 +416,21 @@ impl Allocator {
     fn inject_fault(&self, op: &str, nth: u64, error: &str) -> PyResult<()> {
         let sim = self.sim()?;
         let op = Op::parse(op).ok_or_else(|| {
-            PyValueError::new_err(format!("unknown fault op {op:?}; expected one of {:?}", fault_ops()))
-        })?;
-        let code = FAULT_ERRORS.iter().find(|(n, _)| *n == error).map(|(_, c)| *c).ok_or_else(|| {
             PyValueError::new_err(format!(
-                "unknown fault error {error:?}; expected one of {:?}",
-                FAULT_ERRORS.iter().map(|(n, _)| *n).collect::<Vec<_>>()
+                "unknown fault op {op:?}; expected one of {:?}",
+                fault_ops()
             ))
         })?;
+        let code = FAULT_ERRORS
+            .iter()
+            .find(|(n, _)| *n == error)
+            .map(|(_, c)| *c)
+            .ok_or_else(|| {
+                PyValueError::new_err(format!(
+                    "unknown fault error {error:?}; expected one of {:?}",
+                    FAULT_ERRORS.iter().map(|(n, _)| *n).collect::<Vec<_>>()
+                ))
+            })?;
         Ok(sim.inject_fault(op, nth, code)?)
     }
 
@@ -346,6 +448,7 @@ impl Allocator {
         d.set_item("used_bytes", c.used_bytes)?;
         d.set_item("host_registered", c.host_registered)?;
         d.set_item("host_allocated", c.host_allocated)?;
+        d.set_item("markers", c.markers)?;
         let calls = PyDict::new(py);
         for (op, n) in c.calls {
             calls.set_item(op, n)?;
@@ -412,9 +515,15 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = m.py();
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add("FAULT_OPS", fault_ops())?;
-    m.add("FAULT_ERRORS", FAULT_ERRORS.iter().map(|(n, _)| *n).collect::<Vec<_>>())?;
+    m.add(
+        "FAULT_ERRORS",
+        FAULT_ERRORS.iter().map(|(n, _)| *n).collect::<Vec<_>>(),
+    )?;
     m.add("CumemError", py.get_type::<CumemError>())?;
-    m.add("CumemOutOfMemoryError", py.get_type::<CumemOutOfMemoryError>())?;
+    m.add(
+        "CumemOutOfMemoryError",
+        py.get_type::<CumemOutOfMemoryError>(),
+    )?;
     m.add("DriverError", py.get_type::<DriverError>())?;
     m.add("ClosedError", py.get_type::<ClosedError>())?;
     m.add_class::<Allocator>()?;

@@ -57,7 +57,11 @@ pub struct Registry {
 
 impl Registry {
     pub fn insert(&mut self, a: Allocation) {
-        debug_assert!(self.containing(a.addr, 1).is_none(), "overlapping allocation at {:#x}", a.addr);
+        debug_assert!(
+            self.containing(a.addr, 1).is_none(),
+            "overlapping allocation at {:#x}",
+            a.addr
+        );
         self.allocs.insert(a.addr, a);
     }
 
@@ -85,7 +89,11 @@ impl Registry {
 
     /// Addresses of the allocations matching `pred`, in address order.
     pub fn select(&self, pred: impl Fn(&Allocation) -> bool) -> Vec<DevPtr> {
-        self.allocs.values().filter(|a| pred(a)).map(|a| a.addr).collect()
+        self.allocs
+            .values()
+            .filter(|a| pred(a))
+            .map(|a| a.addr)
+            .collect()
     }
 
     pub fn len(&self) -> usize {
@@ -139,7 +147,9 @@ mod tests {
             device: 0,
             tag: Arc::from("t"),
             stream: 0,
-            state: State::Awake { handle: PhysHandle(addr) },
+            state: State::Awake {
+                handle: PhysHandle(addr),
+            },
         }
     }
 
@@ -163,7 +173,9 @@ mod tests {
         push_tag(2, Arc::from("kv_cache"));
         assert_eq!(&*current_tag(1), "weights");
         assert_eq!(&*current_tag(2), "kv_cache");
-        std::thread::spawn(|| assert_eq!(&*current_tag(1), DEFAULT_TAG)).join().unwrap();
+        std::thread::spawn(|| assert_eq!(&*current_tag(1), DEFAULT_TAG))
+            .join()
+            .unwrap();
         assert_eq!(pop_tag(1).as_deref(), Some("weights"));
         assert_eq!(&*current_tag(1), DEFAULT_TAG);
         assert_eq!(pop_tag(1), None);

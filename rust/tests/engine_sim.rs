@@ -9,20 +9,38 @@ use cumem_rs::{Engine, Error, SimConfig, SimDriver};
 const GRAN: usize = 64 << 10;
 
 fn engine(devices: usize, capacity: usize) -> (Arc<SimDriver>, Engine) {
-    let sim = Arc::new(SimDriver::new(SimConfig { devices, capacity, granularity: GRAN }).unwrap());
+    let sim = Arc::new(
+        SimDriver::new(SimConfig {
+            devices,
+            capacity,
+            granularity: GRAN,
+        })
+        .unwrap(),
+    );
     let engine = Engine::new(sim.clone() as Arc<dyn Driver>).unwrap();
     (sim, engine)
 }
 
 fn pattern(seed: u8, len: usize) -> Vec<u8> {
-    (0..len).map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed)).collect()
+    (0..len)
+        .map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed))
+        .collect()
 }
 
 fn assert_no_leaks(sim: &SimDriver) {
     let c = sim.counts();
-    assert_eq!((c.ranges, c.handles, c.mapped_bytes), (0, 0, 0), "driver resources left: {c:?}");
+    assert_eq!(
+        (c.ranges, c.handles, c.mapped_bytes),
+        (0, 0, 0),
+        "driver resources left: {c:?}"
+    );
     assert!(c.used_bytes.iter().all(|u| *u == 0), "{c:?}");
-    assert_eq!((c.host_registered, c.host_allocated), (0, 0), "host buffers left: {c:?}");
+    assert_eq!(
+        (c.host_registered, c.host_allocated),
+        (0, 0),
+        "host buffers left: {c:?}"
+    );
+    assert_eq!(c.markers, 0, "copy markers never waited for: {c:?}");
 }
 
 #[test]
@@ -56,7 +74,10 @@ fn sleep_wake_keeps_addresses_and_offloaded_bytes_and_poisons_the_rest() {
     e.write(kv, &pattern(9, GRAN)).unwrap();
 
     let r = e.sleep(&["weights"]).unwrap();
-    assert_eq!((r.copied_bytes, r.discarded_bytes, r.allocations), (3 * GRAN, GRAN, 2));
+    assert_eq!(
+        (r.copied_bytes, r.discarded_bytes, r.allocations),
+        (3 * GRAN, GRAN, 2)
+    );
     assert_eq!(e.usage(None).unwrap(), 0);
     assert_eq!(sim.counts().handles, 0, "all physical memory released");
     assert!(matches!(e.read(w, 1), Err(Error::InvalidState(_))));
@@ -77,24 +98,48 @@ fn cold_sleep_pins_in_cells_that_split_allocations() {
     e.set_pin_chunk(3 * 4096 * 5); // not a divisor of the granularity: cells end inside allocations
     e.push_tag("weights").unwrap();
     let sizes = [GRAN, 3 * GRAN, 2 * GRAN, GRAN];
-    let addrs: Vec<u64> = sizes.iter().enumerate().map(|(i, s)| e.malloc(*s, (i % 2) as i32, 0).unwrap()).collect();
+    let addrs: Vec<u64> = sizes
+        .iter()
+        .enumerate()
+        .map(|(i, s)| e.malloc(*s, (i % 2) as i32, 0).unwrap())
+        .collect();
     e.pop_tag().unwrap();
     for (i, (a, s)) in addrs.iter().zip(sizes).enumerate() {
         e.write(*a, &pattern(i as u8, s)).unwrap();
     }
     e.sleep(&["weights"]).unwrap();
     let total: usize = sizes.iter().sum();
-    assert_eq!(sim.counts().host_registered, total.div_ceil(3 * 4096 * 5), "one registration per cell");
+    assert_eq!(
+        sim.counts().host_registered,
+        total.div_ceil(3 * 4096 * 5),
+        "one registration per cell"
+    );
     e.wake(None::<&[&str]>).unwrap();
     for (i, (a, s)) in addrs.iter().zip(sizes).enumerate() {
-        assert_eq!(e.read(*a, s).unwrap(), pattern(i as u8, s), "allocation {i}");
+        assert_eq!(
+            e.read(*a, s).unwrap(),
+            pattern(i as u8, s),
+            "allocation {i}"
+        );
     }
     // The steady sleep reuses the pinned arena: no new registration.
     e.sleep(&["weights"]).unwrap();
     e.wake(None::<&[&str]>).unwrap();
-    assert_eq!(sim.counts().calls.iter().find(|c| c.0 == "host_register").unwrap().1 as usize, total.div_ceil(3 * 4096 * 5));
+    assert_eq!(
+        sim.counts()
+            .calls
+            .iter()
+            .find(|c| c.0 == "host_register")
+            .unwrap()
+            .1 as usize,
+        total.div_ceil(3 * 4096 * 5)
+    );
     for (i, (a, s)) in addrs.iter().zip(sizes).enumerate() {
-        assert_eq!(e.read(*a, s).unwrap(), pattern(i as u8, s), "allocation {i} after the second cycle");
+        assert_eq!(
+            e.read(*a, s).unwrap(),
+            pattern(i as u8, s),
+            "allocation {i} after the second cycle"
+        );
     }
     e.close().unwrap();
     assert_no_leaks(&sim);
@@ -135,7 +180,10 @@ fn free_while_asleep_releases_range_and_backup() {
     e.free(a).unwrap();
     assert_eq!(e.host_bytes(), 0);
     assert_eq!(sim.counts().ranges, 0);
-    assert!(matches!(e.free(a), Err(Error::UnknownAddress(_))), "double free is refused, not repeated");
+    assert!(
+        matches!(e.free(a), Err(Error::UnknownAddress(_))),
+        "double free is refused, not repeated"
+    );
     e.close().unwrap();
     assert_no_leaks(&sim);
 }
@@ -166,8 +214,17 @@ fn failed_wake_keeps_backups_and_a_later_wake_succeeds() {
     let hog = e.malloc(3 * GRAN, 0, 0).unwrap();
     let err = e.wake(None::<&[&str]>).unwrap_err();
     assert!(err.is_out_of_memory(), "{err}");
-    assert!(e.allocations().unwrap().iter().filter(|a| a.addr != hog).all(|a| a.asleep && a.backed_up));
-    assert_eq!(sim.counts().handles, 1, "what the failed wake mapped was released again");
+    assert!(e
+        .allocations()
+        .unwrap()
+        .iter()
+        .filter(|a| a.addr != hog)
+        .all(|a| a.asleep && a.backed_up));
+    assert_eq!(
+        sim.counts().handles,
+        1,
+        "what the failed wake mapped was released again"
+    );
     e.free(hog).unwrap();
     e.wake(None::<&[&str]>).unwrap();
     assert_eq!(e.read(w1, GRAN).unwrap(), pattern(3, GRAN));
@@ -211,9 +268,16 @@ fn a_fault_at_every_driver_call_is_reported_and_nothing_leaks() {
             sim.inject_fault(op, nth, 999).unwrap();
             let result = scenario(&e);
             let recorded = e.errors();
-            assert!(result.is_err() || !recorded.is_empty(), "fault {name}#{nth} vanished");
+            assert!(
+                result.is_err() || !recorded.is_empty(),
+                "fault {name}#{nth} vanished"
+            );
             // Registry and driver agree after the failure.
-            assert_eq!(e.usage(None).unwrap(), sim.counts().mapped_bytes, "fault {name}#{nth}");
+            assert_eq!(
+                e.usage(None).unwrap(),
+                sim.counts().mapped_bytes,
+                "fault {name}#{nth}"
+            );
             sim.clear_faults();
             // Everything still works: wake what is asleep, and all of it can be freed.
             e.wake(None::<&[&str]>).unwrap();
@@ -233,7 +297,8 @@ fn threads_allocate_while_another_sleeps_and_wakes() {
         for t in 0..8u8 {
             let e = e.clone();
             s.spawn(move || {
-                e.push_tag(if t % 2 == 0 { "weights" } else { "kv_cache" }).unwrap();
+                e.push_tag(if t % 2 == 0 { "weights" } else { "kv_cache" })
+                    .unwrap();
                 let mut mine = Vec::new();
                 for i in 0..400usize {
                     if i % 3 == 2 {

@@ -76,10 +76,15 @@ impl CudaDriver {
     /// come back as `Error::NoCuda`, never as a panic.
     pub fn new() -> Result<CudaDriver> {
         if !library_present() {
-            return Err(Error::NoCuda("libcuda.so could not be loaded (no NVIDIA driver on this machine)".into()));
+            return Err(Error::NoCuda(
+                "libcuda.so could not be loaded (no NVIDIA driver on this machine)".into(),
+            ));
         }
         std::panic::catch_unwind(Self::init).unwrap_or_else(|p| {
-            Err(Error::NoCuda(format!("loading the CUDA driver panicked: {}", crate::panic_message(&*p))))
+            Err(Error::NoCuda(format!(
+                "loading the CUDA driver panicked: {}",
+                crate::panic_message(&*p)
+            )))
         })
     }
 
@@ -101,7 +106,9 @@ impl CudaDriver {
                 check("cuDeviceGet", sys::cuDeviceGet(&mut dev, i)).map_err(no_cuda)?;
                 let vmm = attribute(dev, sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED)?;
                 if vmm == 0 {
-                    return Err(Error::NoCuda(format!("device {i} does not support virtual memory management")));
+                    return Err(Error::NoCuda(format!(
+                        "device {i} does not support virtual memory management"
+                    )));
                 }
                 let rdma =
                     attribute(dev, sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED)? != 0;
@@ -116,9 +123,17 @@ impl CudaDriver {
                     ),
                 )
                 .map_err(no_cuda)?;
-                devices.push(Device { ordinal: dev, granularity, rdma_with_vmm: rdma, state: OnceLock::new() });
+                devices.push(Device {
+                    ordinal: dev,
+                    granularity,
+                    rdma_with_vmm: rdma,
+                    state: OnceLock::new(),
+                });
             }
-            Ok(CudaDriver { devices, driver_version: version })
+            Ok(CudaDriver {
+                devices,
+                driver_version: version,
+            })
         }
     }
 
@@ -130,17 +145,33 @@ impl CudaDriver {
         let d = self.device(device)?;
         let mut name = [0 as std::ffi::c_char; 256];
         // SAFETY: the buffer holds 256 bytes and the driver writes a NUL-terminated name into it.
-        unsafe { check("cuDeviceGetName", sys::cuDeviceGetName(name.as_mut_ptr(), 256, d.ordinal))? };
+        unsafe {
+            check(
+                "cuDeviceGetName",
+                sys::cuDeviceGetName(name.as_mut_ptr(), 256, d.ordinal),
+            )?
+        };
         // SAFETY: NUL-terminated by the driver (and zero-initialised).
-        let name = unsafe { CStr::from_ptr(name.as_ptr()) }.to_string_lossy().into_owned();
-        Ok(DeviceInfo { name, granularity: d.granularity, rdma_with_vmm: d.rdma_with_vmm })
+        let name = unsafe { CStr::from_ptr(name.as_ptr()) }
+            .to_string_lossy()
+            .into_owned();
+        Ok(DeviceInfo {
+            name,
+            granularity: d.granularity,
+            rdma_with_vmm: d.rdma_with_vmm,
+        })
     }
 
     fn device(&self, device: i32) -> Result<&Device> {
         usize::try_from(device)
             .ok()
             .and_then(|i| self.devices.get(i))
-            .ok_or_else(|| Error::invalid(format!("device {device} does not exist ({} devices)", self.devices.len())))
+            .ok_or_else(|| {
+                Error::invalid(format!(
+                    "device {device} does not exist ({} devices)",
+                    self.devices.len()
+                ))
+            })
     }
 
     /// Make `device`'s primary context current on this thread (retaining it on first use) and return its state.
@@ -151,14 +182,23 @@ impl CudaDriver {
             // keeps the same primary context for the life of the process.
             unsafe {
                 let mut ctx = std::ptr::null_mut();
-                check("cuDevicePrimaryCtxRetain", sys::cuDevicePrimaryCtxRetain(&mut ctx, d.ordinal))?;
+                check(
+                    "cuDevicePrimaryCtxRetain",
+                    sys::cuDevicePrimaryCtxRetain(&mut ctx, d.ordinal),
+                )?;
                 check("cuCtxSetCurrent", sys::cuCtxSetCurrent(ctx))?;
                 let mut stream = std::ptr::null_mut();
                 check(
                     "cuStreamCreate",
-                    sys::cuStreamCreate(&mut stream, sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32),
+                    sys::cuStreamCreate(
+                        &mut stream,
+                        sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32,
+                    ),
                 )?;
-                Ok(DeviceState { ctx, copy_stream: stream })
+                Ok(DeviceState {
+                    ctx,
+                    copy_stream: stream,
+                })
             }
         });
         let state = state.as_ref().map_err(Clone::clone)?;
@@ -177,13 +217,21 @@ impl CudaDriver {
 fn attribute(dev: sys::CUdevice, attr: sys::CUdevice_attribute) -> Result<i32> {
     let mut v = 0;
     // SAFETY: valid out-pointer and device ordinal.
-    unsafe { check("cuDeviceGetAttribute", sys::cuDeviceGetAttribute(&mut v, attr, dev)) }
-        .map_err(|e| Error::NoCuda(e.to_string()))?;
+    unsafe {
+        check(
+            "cuDeviceGetAttribute",
+            sys::cuDeviceGetAttribute(&mut v, attr, dev),
+        )
+    }
+    .map_err(|e| Error::NoCuda(e.to_string()))?;
     Ok(v)
 }
 
 fn location(dev: sys::CUdevice) -> sys::CUmemLocation {
-    sys::CUmemLocation { type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE, id: dev }
+    sys::CUmemLocation {
+        type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
+        id: dev,
+    }
 }
 
 fn allocation_prop(dev: sys::CUdevice, rdma: bool) -> sys::CUmemAllocationProp {
@@ -221,7 +269,12 @@ impl Driver for CudaDriver {
         self.enter(device)?;
         let mut ptr: sys::CUdeviceptr = 0;
         // SAFETY: valid out-pointer; alignment is the device's granularity.
-        unsafe { check(Op::Reserve.name(), sys::cuMemAddressReserve(&mut ptr, size, gran, 0, 0))? };
+        unsafe {
+            check(
+                Op::Reserve.name(),
+                sys::cuMemAddressReserve(&mut ptr, size, gran, 0, 0),
+            )?
+        };
         Ok(ptr)
     }
 
@@ -236,7 +289,12 @@ impl Driver for CudaDriver {
         let prop = allocation_prop(d.ordinal, d.rdma_with_vmm);
         let mut handle: sys::CUmemGenericAllocationHandle = 0;
         // SAFETY: valid out-pointer and property struct.
-        unsafe { check(Op::Create.name(), sys::cuMemCreate(&mut handle, size, &prop, 0))? };
+        unsafe {
+            check(
+                Op::Create.name(),
+                sys::cuMemCreate(&mut handle, size, &prop, 0),
+            )?
+        };
         Ok(PhysHandle(handle))
     }
 
@@ -262,7 +320,12 @@ impl Driver for CudaDriver {
             flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
         };
         // SAFETY: one valid access descriptor for our mapped range.
-        unsafe { check(Op::SetAccess.name(), sys::cuMemSetAccess(addr, size, &desc, 1)) }
+        unsafe {
+            check(
+                Op::SetAccess.name(),
+                sys::cuMemSetAccess(addr, size, &desc, 1),
+            )
+        }
     }
 
     fn copy_d2h(&self, device: i32, dst: HostPtr, src: DevPtr, size: usize) -> Result<()> {
@@ -294,13 +357,44 @@ impl Driver for CudaDriver {
         unsafe { check(Op::Wait.name(), sys::cuStreamSynchronize(st.copy_stream)) }
     }
 
+    fn record_marker(&self, device: i32) -> Result<u64> {
+        let st = self.enter(device)?;
+        let mut ev: sys::CUevent = std::ptr::null_mut();
+        // SAFETY: valid out-pointer; the event is destroyed by wait_marker (or right here on failure).
+        unsafe {
+            check(
+                Op::Record.name(),
+                sys::cuEventCreate(&mut ev, sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32),
+            )?;
+            if let Err(e) = check(Op::Record.name(), sys::cuEventRecord(ev, st.copy_stream)) {
+                sys::cuEventDestroy_v2(ev);
+                return Err(e);
+            }
+        }
+        Ok(ev as u64)
+    }
+
+    fn wait_marker(&self, device: i32, marker: u64) -> Result<()> {
+        self.enter(device)?;
+        let ev = marker as sys::CUevent;
+        // SAFETY: `marker` is an event made by record_marker and waited for exactly once (the engine drops it).
+        unsafe {
+            let r = check(Op::Wait.name(), sys::cuEventSynchronize(ev));
+            sys::cuEventDestroy_v2(ev);
+            r
+        }
+    }
+
     fn synchronize(&self, device: i32, stream: u64) -> Result<()> {
         self.enter(device)?;
         if stream != 0 {
             let mut status = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
             // SAFETY: `stream` is the live stream torch handed to my_malloc/my_free; valid out-pointer.
             unsafe {
-                check("cuStreamIsCapturing", sys::cuStreamIsCapturing(stream as sys::CUstream, &mut status))?
+                check(
+                    "cuStreamIsCapturing",
+                    sys::cuStreamIsCapturing(stream as sys::CUstream, &mut status),
+                )?
             };
             if status != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE {
                 // Synchronizing would invalidate the capture; torch does not hand memory back mid-capture anyway.
@@ -317,7 +411,11 @@ impl Driver for CudaDriver {
         unsafe {
             check(
                 Op::HostRegister.name(),
-                sys::cuMemHostRegister_v2(ptr.0 as *mut c_void, size, sys::CU_MEMHOSTREGISTER_PORTABLE),
+                sys::cuMemHostRegister_v2(
+                    ptr.0 as *mut c_void,
+                    size,
+                    sys::CU_MEMHOSTREGISTER_PORTABLE,
+                ),
             )
         }
     }
@@ -325,14 +423,24 @@ impl Driver for CudaDriver {
     fn host_unregister(&self, ptr: HostPtr) -> Result<()> {
         self.enter(0)?;
         // SAFETY: unregisters memory we registered; no copy is in flight (the engine waited).
-        unsafe { check(Op::HostUnregister.name(), sys::cuMemHostUnregister(ptr.0 as *mut c_void)) }
+        unsafe {
+            check(
+                Op::HostUnregister.name(),
+                sys::cuMemHostUnregister(ptr.0 as *mut c_void),
+            )
+        }
     }
 
     fn host_alloc(&self, size: usize) -> Result<HostPtr> {
         self.enter(0)?;
         let mut p: *mut c_void = std::ptr::null_mut();
         // SAFETY: valid out-pointer.
-        unsafe { check(Op::HostAlloc.name(), sys::cuMemHostAlloc(&mut p, size, sys::CU_MEMHOSTALLOC_PORTABLE))? };
+        unsafe {
+            check(
+                Op::HostAlloc.name(),
+                sys::cuMemHostAlloc(&mut p, size, sys::CU_MEMHOSTALLOC_PORTABLE),
+            )?
+        };
         Ok(HostPtr(p as usize))
     }
 

@@ -33,6 +33,7 @@ pub enum Op {
     CopyD2H,
     CopyH2D,
     Wait,
+    Record,
     Synchronize,
     HostRegister,
     HostUnregister,
@@ -40,7 +41,7 @@ pub enum Op {
 }
 
 impl Op {
-    pub const ALL: [Op; 14] = [
+    pub const ALL: [Op; 15] = [
         Op::Reserve,
         Op::FreeRange,
         Op::Create,
@@ -51,6 +52,7 @@ impl Op {
         Op::CopyD2H,
         Op::CopyH2D,
         Op::Wait,
+        Op::Record,
         Op::Synchronize,
         Op::HostRegister,
         Op::HostUnregister,
@@ -69,6 +71,7 @@ impl Op {
             Op::CopyD2H => "copy_d2h",
             Op::CopyH2D => "copy_h2d",
             Op::Wait => "wait",
+            Op::Record => "record_marker",
             Op::Synchronize => "synchronize",
             Op::HostRegister => "host_register",
             Op::HostUnregister => "host_unregister",
@@ -111,6 +114,10 @@ pub trait Driver: Send + Sync {
     fn copy_h2d(&self, device: i32, dst: DevPtr, src: HostPtr, size: usize) -> Result<()>;
     /// Wait until every copy queued on the copy stream of `device` has finished.
     fn wait(&self, device: i32) -> Result<()>;
+    /// Record a marker on the copy stream of `device` after the copies queued so far.
+    fn record_marker(&self, device: i32) -> Result<u64>;
+    /// Wait until the copies queued before `marker` have finished, then forget the marker (also on failure).
+    fn wait_marker(&self, device: i32, marker: u64) -> Result<()>;
     /// Finish all work on `device` that may still touch its memory. `stream` is the caller's stream (0 = none);
     /// when that stream is being captured into a CUDA graph, this must not synchronize (and returns Ok).
     fn synchronize(&self, device: i32, stream: u64) -> Result<()>;

@@ -26,8 +26,12 @@ use crate::error::{Error, Result};
 pub const POISON: u8 = 0xA5;
 
 /// Error kinds that fault injection can produce, with their CUDA codes.
-pub const FAULT_ERRORS: [(&str, i32); 4] =
-    [("oom", 2), ("invalid", 1), ("unknown", 999), ("not_permitted", 800)];
+pub const FAULT_ERRORS: [(&str, i32); 4] = [
+    ("oom", 2),
+    ("invalid", 1),
+    ("unknown", 999),
+    ("not_permitted", 800),
+];
 
 fn cuda_error_name(code: i32) -> &'static str {
     match code {
@@ -48,7 +52,11 @@ pub struct SimConfig {
 
 impl Default for SimConfig {
     fn default() -> Self {
-        SimConfig { devices: 1, capacity: 1 << 30, granularity: 2 << 20 }
+        SimConfig {
+            devices: 1,
+            capacity: 1 << 30,
+            granularity: 2 << 20,
+        }
     }
 }
 
@@ -91,6 +99,9 @@ struct State {
     host_allocated: HashMap<usize, usize>,
     calls: HashMap<Op, u64>,
     faults: Vec<Fault>,
+    /// Markers recorded and not yet waited for (leak check: CUDA events must be destroyed).
+    markers: std::collections::HashSet<u64>,
+    next_marker: u64,
 }
 
 /// Live resources and call counts, for leak checks and for sizing fault-injection walks.
@@ -102,6 +113,7 @@ pub struct SimCounts {
     pub used_bytes: Vec<usize>,
     pub host_registered: usize,
     pub host_allocated: usize,
+    pub markers: usize,
     pub calls: Vec<(&'static str, u64)>,
 }
 
@@ -112,7 +124,11 @@ pub struct SimDriver {
 
 fn os_err(op: Op, e: rustix::io::Errno) -> Error {
     // The host running out of address space or memory is what CUDA reports as CUDA_ERROR_OUT_OF_MEMORY.
-    let code = if e == rustix::io::Errno::NOMEM { 2 } else { 999 };
+    let code = if e == rustix::io::Errno::NOMEM {
+        2
+    } else {
+        999
+    };
     Error::driver(op.name(), code, format!("host emulation: {e}"))
 }
 
@@ -128,8 +144,15 @@ impl SimDriver {
                 config.granularity
             )));
         }
-        let state = State { used: vec![0; config.devices], next_handle: 1, ..State::default() };
-        Ok(SimDriver { config, state: Mutex::new(state) })
+        let state = State {
+            used: vec![0; config.devices],
+            next_handle: 1,
+            ..State::default()
+        };
+        Ok(SimDriver {
+            config,
+            state: Mutex::new(state),
+        })
     }
 
     pub fn config(&self) -> SimConfig {
@@ -156,11 +179,20 @@ impl SimDriver {
         SimCounts {
             ranges: st.ranges.len(),
             handles: st.handles.len(),
-            mapped_bytes: st.ranges.values().flat_map(|r| r.maps.values()).map(|m| m.size).sum(),
+            mapped_bytes: st
+                .ranges
+                .values()
+                .flat_map(|r| r.maps.values())
+                .map(|m| m.size)
+                .sum(),
             used_bytes: st.used.clone(),
             host_registered: st.host_registered.len(),
             host_allocated: st.host_allocated.len(),
-            calls: Op::ALL.iter().map(|op| (op.name(), st.calls.get(op).copied().unwrap_or(0))).collect(),
+            markers: st.markers.len(),
+            calls: Op::ALL
+                .iter()
+                .map(|op| (op.name(), st.calls.get(op).copied().unwrap_or(0)))
+                .collect(),
         }
     }
 
@@ -168,7 +200,12 @@ impl SimDriver {
         usize::try_from(device)
             .ok()
             .filter(|d| *d < self.config.devices)
-            .ok_or_else(|| Error::invalid(format!("device {device} does not exist ({} devices)", self.config.devices)))
+            .ok_or_else(|| {
+                Error::invalid(format!(
+                    "device {device} does not exist ({} devices)",
+                    self.config.devices
+                ))
+            })
     }
 }
 
@@ -178,7 +215,11 @@ impl State {
         let n = self.calls.entry(op).or_insert(0);
         *n += 1;
         let n = *n;
-        if let Some(i) = self.faults.iter().position(|f| f.op == op && f.at_call == n) {
+        if let Some(i) = self
+            .faults
+            .iter()
+            .position(|f| f.op == op && f.at_call == n)
+        {
             let f = self.faults.swap_remove(i);
             return Err(Error::driver(op.name(), f.code, cuda_error_name(f.code)));
         }
@@ -193,7 +234,9 @@ impl State {
 
     /// True when [addr, addr+size) is covered by accessible mappings without holes.
     fn accessible(&self, addr: u64, size: usize) -> bool {
-        let Some((_, range)) = self.range_of(addr, size) else { return false };
+        let Some((_, range)) = self.range_of(addr, size) else {
+            return false;
+        };
         let end = addr + size as u64;
         let mut cursor = addr;
         if let Some((&s, m)) = range.maps.range(..=addr).next_back() {
@@ -223,7 +266,10 @@ impl State {
     }
 
     fn drop_handle_if_done(&mut self, handle: u64) {
-        let done = self.handles.get(&handle).is_some_and(|h| h.released && h.map_count == 0);
+        let done = self
+            .handles
+            .get(&handle)
+            .is_some_and(|h| h.released && h.map_count == 0);
         if done {
             let h = self.handles.remove(&handle).expect("checked above");
             self.used[h.device as usize] -= h.size;
@@ -248,7 +294,10 @@ impl Driver for SimDriver {
     fn mem_info(&self, device: i32) -> Result<(usize, usize)> {
         let d = self.check_device(device)?;
         let used = self.state.lock().used[d];
-        Ok((self.config.capacity.saturating_sub(used), self.config.capacity))
+        Ok((
+            self.config.capacity.saturating_sub(used),
+            self.config.capacity,
+        ))
     }
 
     fn reserve(&self, device: i32, size: usize) -> Result<DevPtr> {
@@ -256,7 +305,11 @@ impl Driver for SimDriver {
         let mut st = self.state.lock();
         st.enter(Op::Reserve)?;
         if size == 0 || !size.is_multiple_of(self.config.granularity) {
-            return Err(Error::driver(Op::Reserve.name(), 1, "CUDA_ERROR_INVALID_VALUE"));
+            return Err(Error::driver(
+                Op::Reserve.name(),
+                1,
+                "CUDA_ERROR_INVALID_VALUE",
+            ));
         }
         // SAFETY: a fresh anonymous PROT_NONE mapping at an address the kernel chooses touches no existing memory.
         let ptr = unsafe {
@@ -269,7 +322,13 @@ impl Driver for SimDriver {
         }
         .map_err(|e| os_err(Op::Reserve, e))?;
         let addr = ptr as u64;
-        st.ranges.insert(addr, Range { size, maps: BTreeMap::new() });
+        st.ranges.insert(
+            addr,
+            Range {
+                size,
+                maps: BTreeMap::new(),
+            },
+        );
         Ok(addr)
     }
 
@@ -279,9 +338,19 @@ impl Driver for SimDriver {
         match st.ranges.get(&addr) {
             Some(r) if r.size == size && r.maps.is_empty() => {}
             Some(r) if !r.maps.is_empty() => {
-                return Err(Error::driver(Op::FreeRange.name(), 1, "CUDA_ERROR_INVALID_VALUE (range still mapped)"))
+                return Err(Error::driver(
+                    Op::FreeRange.name(),
+                    1,
+                    "CUDA_ERROR_INVALID_VALUE (range still mapped)",
+                ))
             }
-            _ => return Err(Error::driver(Op::FreeRange.name(), 1, "CUDA_ERROR_INVALID_VALUE (not a reserved range)")),
+            _ => {
+                return Err(Error::driver(
+                    Op::FreeRange.name(),
+                    1,
+                    "CUDA_ERROR_INVALID_VALUE (not a reserved range)",
+                ))
+            }
         }
         // SAFETY: [addr, addr+size) is a reservation this driver made and nothing is mapped in it any more.
         unsafe { munmap(addr as *mut c_void, size) }.map_err(|e| os_err(Op::FreeRange, e))?;
@@ -294,17 +363,36 @@ impl Driver for SimDriver {
         let mut st = self.state.lock();
         st.enter(Op::Create)?;
         if size == 0 || !size.is_multiple_of(self.config.granularity) {
-            return Err(Error::driver(Op::Create.name(), 1, "CUDA_ERROR_INVALID_VALUE"));
+            return Err(Error::driver(
+                Op::Create.name(),
+                1,
+                "CUDA_ERROR_INVALID_VALUE",
+            ));
         }
         if st.used[d] + size > self.config.capacity {
-            return Err(Error::driver(Op::Create.name(), 2, "CUDA_ERROR_OUT_OF_MEMORY"));
+            return Err(Error::driver(
+                Op::Create.name(),
+                2,
+                "CUDA_ERROR_OUT_OF_MEMORY",
+            ));
         }
-        let fd = memfd_create("cumem-sim", MemfdFlags::CLOEXEC).map_err(|e| os_err(Op::Create, e))?;
+        let fd =
+            memfd_create("cumem-sim", MemfdFlags::CLOEXEC).map_err(|e| os_err(Op::Create, e))?;
         ftruncate(&fd, size as u64).map_err(|e| os_err(Op::Create, e))?;
         let id = st.next_handle;
         st.next_handle += 1;
         st.used[d] += size;
-        st.handles.insert(id, Handle { device, size, fd, released: false, map_count: 0, fresh: true });
+        st.handles.insert(
+            id,
+            Handle {
+                device,
+                size,
+                fd,
+                released: false,
+                map_count: 0,
+                fresh: true,
+            },
+        );
         Ok(PhysHandle(id))
     }
 
@@ -313,7 +401,13 @@ impl Driver for SimDriver {
         st.enter(Op::Release)?;
         match st.handles.get_mut(&handle.0) {
             Some(h) if !h.released => h.released = true,
-            _ => return Err(Error::driver(Op::Release.name(), 1, "CUDA_ERROR_INVALID_VALUE (unknown handle)")),
+            _ => {
+                return Err(Error::driver(
+                    Op::Release.name(),
+                    1,
+                    "CUDA_ERROR_INVALID_VALUE (unknown handle)",
+                ))
+            }
         }
         st.drop_handle_if_done(handle.0);
         Ok(())
@@ -322,14 +416,29 @@ impl Driver for SimDriver {
     fn map(&self, addr: DevPtr, size: usize, handle: PhysHandle) -> Result<()> {
         let mut st = self.state.lock();
         st.enter(Op::Map)?;
-        let invalid = |why: &str| Error::driver(Op::Map.name(), 1, format!("CUDA_ERROR_INVALID_VALUE ({why})"));
-        let (start, range) = st.range_of(addr, size).ok_or_else(|| invalid("not inside a reserved range"))?;
+        let invalid = |why: &str| {
+            Error::driver(
+                Op::Map.name(),
+                1,
+                format!("CUDA_ERROR_INVALID_VALUE ({why})"),
+            )
+        };
+        let (start, range) = st
+            .range_of(addr, size)
+            .ok_or_else(|| invalid("not inside a reserved range"))?;
         let end = addr + size as u64;
-        let overlaps = range.maps.range(..end).next_back().is_some_and(|(&s, m)| s + m.size as u64 > addr);
+        let overlaps = range
+            .maps
+            .range(..end)
+            .next_back()
+            .is_some_and(|(&s, m)| s + m.size as u64 > addr);
         if overlaps {
             return Err(invalid("already mapped"));
         }
-        let h = st.handles.get(&handle.0).ok_or_else(|| invalid("unknown handle"))?;
+        let h = st
+            .handles
+            .get(&handle.0)
+            .ok_or_else(|| invalid("unknown handle"))?;
         if h.released || h.size != size {
             return Err(invalid("handle released or of another size"));
         }
@@ -352,24 +461,42 @@ impl Driver for SimDriver {
             unsafe { std::ptr::write_bytes(addr as *mut u8, POISON, size) };
         }
         // SAFETY: same pages; until set_access they must fault, as on CUDA.
-        unsafe { mprotect(addr as *mut c_void, size, MprotectFlags::empty()) }.map_err(|e| os_err(Op::Map, e))?;
+        unsafe { mprotect(addr as *mut c_void, size, MprotectFlags::empty()) }
+            .map_err(|e| os_err(Op::Map, e))?;
         let h = st.handles.get_mut(&handle.0).expect("checked above");
         h.fresh = false;
         h.map_count += 1;
         let range = st.ranges.get_mut(&start).expect("found above");
-        range.maps.insert(addr, Mapping { size, handle: handle.0, accessible: false });
+        range.maps.insert(
+            addr,
+            Mapping {
+                size,
+                handle: handle.0,
+                accessible: false,
+            },
+        );
         Ok(())
     }
 
     fn unmap(&self, addr: DevPtr, size: usize) -> Result<()> {
         let mut st = self.state.lock();
         st.enter(Op::Unmap)?;
-        let (start, range) = st
-            .range_of(addr, size)
-            .ok_or_else(|| Error::driver(Op::Unmap.name(), 1, "CUDA_ERROR_INVALID_VALUE (not reserved)"))?;
+        let (start, range) = st.range_of(addr, size).ok_or_else(|| {
+            Error::driver(
+                Op::Unmap.name(),
+                1,
+                "CUDA_ERROR_INVALID_VALUE (not reserved)",
+            )
+        })?;
         match range.maps.get(&addr) {
             Some(m) if m.size == size => {}
-            _ => return Err(Error::driver(Op::Unmap.name(), 1, "CUDA_ERROR_INVALID_VALUE (not a mapping)")),
+            _ => {
+                return Err(Error::driver(
+                    Op::Unmap.name(),
+                    1,
+                    "CUDA_ERROR_INVALID_VALUE (not a mapping)",
+                ))
+            }
         }
         // SAFETY: [addr, addr+size) is exactly one mapping of ours; it becomes a PROT_NONE placeholder again, so the
         // reservation keeps the address range.
@@ -382,7 +509,13 @@ impl Driver for SimDriver {
             )
         }
         .map_err(|e| os_err(Op::Unmap, e))?;
-        let m = st.ranges.get_mut(&start).expect("found above").maps.remove(&addr).expect("checked above");
+        let m = st
+            .ranges
+            .get_mut(&start)
+            .expect("found above")
+            .maps
+            .remove(&addr)
+            .expect("checked above");
         if let Some(h) = st.handles.get_mut(&m.handle) {
             h.map_count -= 1;
         }
@@ -396,12 +529,30 @@ impl Driver for SimDriver {
         st.enter(Op::SetAccess)?;
         let start = match st.range_of(addr, size) {
             Some((start, r)) if r.maps.get(&addr).is_some_and(|m| m.size == size) => start,
-            _ => return Err(Error::driver(Op::SetAccess.name(), 1, "CUDA_ERROR_INVALID_VALUE (not a mapping)")),
+            _ => {
+                return Err(Error::driver(
+                    Op::SetAccess.name(),
+                    1,
+                    "CUDA_ERROR_INVALID_VALUE (not a mapping)",
+                ))
+            }
         };
         // SAFETY: [addr, addr+size) is exactly one live mapping of ours.
-        unsafe { mprotect(addr as *mut c_void, size, MprotectFlags::READ | MprotectFlags::WRITE) }
-            .map_err(|e| os_err(Op::SetAccess, e))?;
-        st.ranges.get_mut(&start).expect("found above").maps.get_mut(&addr).expect("checked").accessible = true;
+        unsafe {
+            mprotect(
+                addr as *mut c_void,
+                size,
+                MprotectFlags::READ | MprotectFlags::WRITE,
+            )
+        }
+        .map_err(|e| os_err(Op::SetAccess, e))?;
+        st.ranges
+            .get_mut(&start)
+            .expect("found above")
+            .maps
+            .get_mut(&addr)
+            .expect("checked")
+            .accessible = true;
         Ok(())
     }
 
@@ -410,10 +561,18 @@ impl Driver for SimDriver {
         let mut st = self.state.lock();
         st.enter(Op::CopyD2H)?;
         if !st.accessible(src, size) {
-            return Err(Error::driver(Op::CopyD2H.name(), 1, "CUDA_ERROR_INVALID_VALUE (source not mapped)"));
+            return Err(Error::driver(
+                Op::CopyD2H.name(),
+                1,
+                "CUDA_ERROR_INVALID_VALUE (source not mapped)",
+            ));
         }
         if !st.host_range_ok(dst.0, size) {
-            return Err(Error::driver(Op::CopyD2H.name(), 1, "CUDA_ERROR_INVALID_VALUE (host range spans registrations)"));
+            return Err(Error::driver(
+                Op::CopyD2H.name(),
+                1,
+                "CUDA_ERROR_INVALID_VALUE (host range spans registrations)",
+            ));
         }
         // SAFETY: the source is mapped read-write (checked under the lock, which unmap also takes); the destination
         // is a live host buffer of at least `size` bytes that the caller keeps alive (Driver contract).
@@ -426,10 +585,18 @@ impl Driver for SimDriver {
         let mut st = self.state.lock();
         st.enter(Op::CopyH2D)?;
         if !st.accessible(dst, size) {
-            return Err(Error::driver(Op::CopyH2D.name(), 1, "CUDA_ERROR_INVALID_VALUE (destination not mapped)"));
+            return Err(Error::driver(
+                Op::CopyH2D.name(),
+                1,
+                "CUDA_ERROR_INVALID_VALUE (destination not mapped)",
+            ));
         }
         if !st.host_range_ok(src.0, size) {
-            return Err(Error::driver(Op::CopyH2D.name(), 1, "CUDA_ERROR_INVALID_VALUE (host range spans registrations)"));
+            return Err(Error::driver(
+                Op::CopyH2D.name(),
+                1,
+                "CUDA_ERROR_INVALID_VALUE (host range spans registrations)",
+            ));
         }
         // SAFETY: as in copy_d2h, with the roles swapped.
         unsafe { std::ptr::copy_nonoverlapping(src.0 as *const u8, dst as *mut u8, size) };
@@ -441,6 +608,31 @@ impl Driver for SimDriver {
         self.state.lock().enter(Op::Wait)
     }
 
+    fn record_marker(&self, device: i32) -> Result<u64> {
+        self.check_device(device)?;
+        let mut st = self.state.lock();
+        st.enter(Op::Record)?;
+        st.next_marker += 1;
+        let m = st.next_marker;
+        st.markers.insert(m);
+        Ok(m)
+    }
+
+    fn wait_marker(&self, device: i32, marker: u64) -> Result<()> {
+        self.check_device(device)?;
+        let mut st = self.state.lock();
+        let known = st.markers.remove(&marker);
+        st.enter(Op::Wait)?;
+        if !known {
+            return Err(Error::driver(
+                Op::Wait.name(),
+                400,
+                "CUDA_ERROR_INVALID_HANDLE (unknown marker)",
+            ));
+        }
+        Ok(())
+    }
+
     fn synchronize(&self, device: i32, _stream: u64) -> Result<()> {
         self.check_device(device)?;
         self.state.lock().enter(Op::Synchronize)
@@ -450,7 +642,11 @@ impl Driver for SimDriver {
         let mut st = self.state.lock();
         st.enter(Op::HostRegister)?;
         if st.host_registered.insert(ptr.0, size).is_some() {
-            return Err(Error::driver(Op::HostRegister.name(), 712, "CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED"));
+            return Err(Error::driver(
+                Op::HostRegister.name(),
+                712,
+                "CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED",
+            ));
         }
         Ok(())
     }
@@ -461,7 +657,13 @@ impl Driver for SimDriver {
         st.host_registered
             .remove(&ptr.0)
             .map(|_| ())
-            .ok_or_else(|| Error::driver(Op::HostUnregister.name(), 713, "CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED"))
+            .ok_or_else(|| {
+                Error::driver(
+                    Op::HostUnregister.name(),
+                    713,
+                    "CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED",
+                )
+            })
     }
 
     fn host_alloc(&self, size: usize) -> Result<HostPtr> {
@@ -469,7 +671,12 @@ impl Driver for SimDriver {
         st.enter(Op::HostAlloc)?;
         // SAFETY: a fresh anonymous read-write mapping at an address the kernel chooses.
         let ptr = unsafe {
-            mmap_anonymous(std::ptr::null_mut(), size.max(1), ProtFlags::READ | ProtFlags::WRITE, MapFlags::PRIVATE)
+            mmap_anonymous(
+                std::ptr::null_mut(),
+                size.max(1),
+                ProtFlags::READ | ProtFlags::WRITE,
+                MapFlags::PRIVATE,
+            )
         }
         .map_err(|e| os_err(Op::HostAlloc, e))?;
         st.host_allocated.insert(ptr as usize, size.max(1));
@@ -478,10 +685,13 @@ impl Driver for SimDriver {
 
     fn host_free(&self, ptr: HostPtr) -> Result<()> {
         let mut st = self.state.lock();
-        let size = st
-            .host_allocated
-            .remove(&ptr.0)
-            .ok_or_else(|| Error::driver("host_free", 1, "CUDA_ERROR_INVALID_VALUE (not a host allocation)"))?;
+        let size = st.host_allocated.remove(&ptr.0).ok_or_else(|| {
+            Error::driver(
+                "host_free",
+                1,
+                "CUDA_ERROR_INVALID_VALUE (not a host allocation)",
+            )
+        })?;
         // SAFETY: the mapping was made by host_alloc with this size and its owner gave it back.
         unsafe { munmap(ptr.0 as *mut c_void, size) }.map_err(|e| os_err(Op::HostAlloc, e))
     }
