@@ -110,8 +110,11 @@ impl CudaDriver {
                         "device {i} does not support virtual memory management"
                     )));
                 }
-                let rdma =
-                    attribute(dev, sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED)? != 0;
+                // GPUDirect RDMA-capable physical memory when the device supports it (NICs can then register our
+                // memory); CUMEM_RS_GPU_DIRECT_RDMA=0 opts out.
+                let rdma = rdma_wanted()
+                    && attribute(dev, sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED)?
+                        != 0;
                 let prop = allocation_prop(dev, false);
                 let mut granularity = 0usize;
                 check(
@@ -212,6 +215,10 @@ impl CudaDriver {
         }
         Ok(state)
     }
+}
+
+fn rdma_wanted() -> bool {
+    std::env::var("CUMEM_RS_GPU_DIRECT_RDMA").map_or(true, |v| v != "0")
 }
 
 fn attribute(dev: sys::CUdevice, attr: sys::CUdevice_attribute) -> Result<i32> {
