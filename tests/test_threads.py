@@ -35,7 +35,6 @@ from typing import Iterator, Optional
 
 import pytest
 
-import cumem_rs
 from cumem_rs import Allocator, CumemError
 from conftest import BACKENDS, HAS_CUDA, allocator_for, live_counts
 
