@@ -395,8 +395,10 @@ impl Engine {
     /// Map new physical memory at the same addresses for asleep allocations whose tag is in `tags` (None: all),
     /// and copy their backups back. All or nothing.
     ///
-    /// Backed-up allocations are mapped first, each one's copy queued right after its map, so the copies run while
-    /// the rest is mapped; allocations without backup are mapped last, under the running copies.
+    /// Order: map every backed-up allocation (all devices), queue all their copies (one stream per device, so
+    /// devices copy in parallel), then map the allocations without backup while those copies run, and wait once
+    /// per device. Interleaving maps with copies instead was measured to serialize two GPUs (0.61x of their
+    /// aggregate copy bandwidth): maps on one device waited for the copies already queued.
     pub fn wake<S: AsRef<str>>(&self, tags: Option<&[S]>) -> Result<Report> {
         let start = Instant::now();
         let wanted = tags.map(tag_set);
@@ -420,37 +422,28 @@ impl Engine {
             ..Report::default()
         };
         let mut mapped: Vec<(DevPtr, PhysHandle)> = Vec::with_capacity(targets.len());
-        let mut result = Ok(());
-        for addr in &targets {
-            let a = inner.reg.get(*addr).expect("selected");
-            let (device, size, backup) = (
-                a.device,
-                a.size,
-                match &a.state {
-                    State::Asleep { backup } => backup.clone(),
-                    State::Awake { .. } => unreachable!("selected asleep"),
-                },
-            );
-            match self.map_new(&mut inner, device, *addr, size) {
-                Ok(h) => mapped.push((*addr, h)),
-                Err(e) => {
-                    result = Err(e);
-                    break;
-                }
+        let backed = targets
+            .iter()
+            .filter(|a| Self::backup_of(&inner, **a).is_some())
+            .count();
+        let result = (|| {
+            for addr in &targets[..backed] {
+                mapped.push((*addr, self.map_at(&mut inner, *addr)?));
             }
-            match backup {
-                Some(b) => {
-                    if let Err(e) = self.copy_back(device, *addr, size, &b) {
-                        result = Err(e);
-                        break;
-                    }
-                    report.copied_bytes += size;
-                }
-                None => report.discarded_bytes += size,
+            for addr in &targets[..backed] {
+                let a = inner.reg.get(*addr).expect("selected");
+                let b = Self::backup_of(&inner, *addr).expect("sorted first");
+                self.copy_back(a.device, a.addr, a.size, b)?;
+                report.copied_bytes += a.size;
             }
-        }
+            for addr in &targets[backed..] {
+                mapped.push((*addr, self.map_at(&mut inner, *addr)?));
+                report.discarded_bytes += inner.reg.get(*addr).expect("selected").size;
+            }
+            Ok(())
+        })();
         // Wait even after a failure: no copy may still be writing when the rollback unmaps.
-        result = self.wait_devices(&inner, &targets, result);
+        let result = self.wait_devices(&inner, &targets, result);
         if let Err(e) = result {
             self.rollback_wake(&mut inner, &mapped);
             return Err(e);
@@ -464,6 +457,20 @@ impl Engine {
         inner.stats.wakes += 1;
         inner.stats.last_wake = Some(report.clone());
         Ok(report)
+    }
+
+    fn backup_of(inner: &Inner, addr: DevPtr) -> Option<&Backup> {
+        match &inner.reg.get(addr).expect("selected").state {
+            State::Asleep { backup } => backup.as_ref(),
+            State::Awake { .. } => None,
+        }
+    }
+
+    /// Map new physical memory under one asleep allocation's range.
+    fn map_at(&self, inner: &mut Inner, addr: DevPtr) -> Result<PhysHandle> {
+        let a = inner.reg.get(addr).expect("selected");
+        let (device, size) = (a.device, a.size);
+        self.map_new(inner, device, addr, size)
     }
 
     /// Queue the copy of one backup to its allocation, split at the arena's pinned pieces.
