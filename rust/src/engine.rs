@@ -388,7 +388,7 @@ impl Engine {
             report.discarded_bytes += size;
         }
         report.allocations += 1;
-        inner.reg.get_mut(addr).expect("selected").state = State::Asleep { backup };
+        inner.reg.set_state(addr, State::Asleep { backup });
         Ok(())
     }
 
@@ -449,7 +449,7 @@ impl Engine {
             return Err(e);
         }
         for (addr, handle) in mapped {
-            inner.reg.get_mut(addr).expect("selected").state = State::Awake { handle };
+            inner.reg.set_state(addr, State::Awake { handle });
         }
         self.collect_unused_arenas(&mut inner);
         Self::note_peak(&mut inner);
@@ -504,8 +504,7 @@ impl Engine {
             };
             match self.unmap_release(&mut inner, a.addr, a.size, handle) {
                 Ok(()) => {
-                    inner.reg.get_mut(addr).expect("selected").state =
-                        State::Asleep { backup: None };
+                    inner.reg.set_state(addr, State::Asleep { backup: None });
                     report.allocations += 1;
                     report.discarded_bytes += a.size;
                 }

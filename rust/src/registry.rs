@@ -49,10 +49,12 @@ impl Allocation {
     }
 }
 
-/// Live allocations by start address.
+/// Live allocations by start address, with mapped bytes per device kept up to date so that usage queries (made
+/// on every malloc for the peak) cost O(devices), not O(allocations).
 #[derive(Default)]
 pub struct Registry {
     allocs: BTreeMap<DevPtr, Allocation>,
+    mapped: HashMap<i32, usize>,
 }
 
 impl Registry {
@@ -62,19 +64,37 @@ impl Registry {
             "overlapping allocation at {:#x}",
             a.addr
         );
+        self.count(&a, true);
         self.allocs.insert(a.addr, a);
     }
 
     pub fn remove(&mut self, addr: DevPtr) -> Option<Allocation> {
-        self.allocs.remove(&addr)
+        let a = self.allocs.remove(&addr)?;
+        self.count(&a, false);
+        Some(a)
+    }
+
+    /// Change an allocation's state (the only way to, so the mapped-bytes counters stay right).
+    pub fn set_state(&mut self, addr: DevPtr, state: State) {
+        let mut a = self
+            .allocs
+            .remove(&addr)
+            .expect("set_state of a live allocation");
+        self.count(&a, false);
+        a.state = state;
+        self.count(&a, true);
+        self.allocs.insert(addr, a);
+    }
+
+    fn count(&mut self, a: &Allocation, add: bool) {
+        if a.is_awake() {
+            let m = self.mapped.entry(a.device).or_insert(0);
+            *m = if add { *m + a.size } else { *m - a.size };
+        }
     }
 
     pub fn get(&self, addr: DevPtr) -> Option<&Allocation> {
         self.allocs.get(&addr)
-    }
-
-    pub fn get_mut(&mut self, addr: DevPtr) -> Option<&mut Allocation> {
-        self.allocs.get_mut(&addr)
     }
 
     /// The allocation that wholly contains [addr, addr+len).
@@ -106,11 +126,10 @@ impl Registry {
 
     /// Mapped bytes, on one device or all.
     pub fn mapped_bytes(&self, device: Option<i32>) -> usize {
-        self.allocs
-            .values()
-            .filter(|a| a.is_awake() && device.is_none_or(|d| d == a.device))
-            .map(|a| a.size)
-            .sum()
+        match device {
+            Some(d) => self.mapped.get(&d).copied().unwrap_or(0),
+            None => self.mapped.values().sum(),
+        }
     }
 }
 
@@ -165,6 +184,24 @@ mod tests {
         assert!(r.containing(0x500, 1).is_none(), "before everything");
         assert_eq!(r.mapped_bytes(None), 0x2000);
         assert_eq!(r.mapped_bytes(Some(1)), 0);
+    }
+
+    #[test]
+    fn mapped_counters_follow_state_changes_and_removal() {
+        let mut r = Registry::default();
+        let mut b = alloc(0x10000, 0x2000);
+        b.device = 1;
+        r.insert(alloc(0x1000, 0x1000));
+        r.insert(b);
+        assert_eq!((r.mapped_bytes(Some(0)), r.mapped_bytes(Some(1))), (0x1000, 0x2000));
+        r.set_state(0x10000, State::Asleep { backup: None });
+        assert_eq!((r.mapped_bytes(Some(1)), r.mapped_bytes(None)), (0, 0x1000));
+        r.remove(0x10000); // asleep: nothing mapped to subtract
+        r.set_state(0x1000, State::Asleep { backup: None });
+        r.set_state(0x1000, State::Awake { handle: PhysHandle(9) });
+        assert_eq!(r.mapped_bytes(None), 0x1000);
+        r.remove(0x1000);
+        assert_eq!(r.mapped_bytes(None), 0);
     }
 
     #[test]
