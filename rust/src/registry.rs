@@ -193,12 +193,20 @@ mod tests {
         b.device = 1;
         r.insert(alloc(0x1000, 0x1000));
         r.insert(b);
-        assert_eq!((r.mapped_bytes(Some(0)), r.mapped_bytes(Some(1))), (0x1000, 0x2000));
+        assert_eq!(
+            (r.mapped_bytes(Some(0)), r.mapped_bytes(Some(1))),
+            (0x1000, 0x2000)
+        );
         r.set_state(0x10000, State::Asleep { backup: None });
         assert_eq!((r.mapped_bytes(Some(1)), r.mapped_bytes(None)), (0, 0x1000));
         r.remove(0x10000); // asleep: nothing mapped to subtract
         r.set_state(0x1000, State::Asleep { backup: None });
-        r.set_state(0x1000, State::Awake { handle: PhysHandle(9) });
+        r.set_state(
+            0x1000,
+            State::Awake {
+                handle: PhysHandle(9),
+            },
+        );
         assert_eq!(r.mapped_bytes(None), 0x1000);
         r.remove(0x1000);
         assert_eq!(r.mapped_bytes(None), 0);

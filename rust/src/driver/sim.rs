@@ -311,16 +311,33 @@ impl Driver for SimDriver {
                 "CUDA_ERROR_INVALID_VALUE",
             ));
         }
+        // Reserve one granule more than asked and trim, so that the range is aligned to the granularity as CUDA's
+        // reservations are (callers may rely on it, e.g. for large-page mappings).
+        let gran = self.config.granularity;
+        let padded = size
+            .checked_add(gran)
+            .ok_or_else(|| Error::driver(Op::Reserve.name(), 2, "CUDA_ERROR_OUT_OF_MEMORY"))?;
         // SAFETY: a fresh anonymous PROT_NONE mapping at an address the kernel chooses touches no existing memory.
-        let ptr = unsafe {
+        let raw = unsafe {
             mmap_anonymous(
                 std::ptr::null_mut(),
-                size,
+                padded,
                 ProtFlags::empty(),
                 MapFlags::PRIVATE | MapFlags::NORESERVE,
             )
         }
-        .map_err(|e| os_err(Op::Reserve, e))?;
+        .map_err(|e| os_err(Op::Reserve, e))? as usize;
+        let ptr = raw.next_multiple_of(gran);
+        let (head, tail) = (ptr - raw, raw + padded - (ptr + size));
+        // SAFETY: head and tail are the parts of the mapping just made that lie outside [ptr, ptr+size).
+        unsafe {
+            if head > 0 {
+                let _ = munmap(raw as *mut c_void, head);
+            }
+            if tail > 0 {
+                let _ = munmap((ptr + size) as *mut c_void, tail);
+            }
+        }
         let addr = ptr as u64;
         st.ranges.insert(
             addr,
