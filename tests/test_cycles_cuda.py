@@ -7,7 +7,6 @@ well under a minute on an H200 (100 cycles of 1 GiB each way at tens of GB/s, pl
 
 from __future__ import annotations
 
-import gc
 import subprocess
 import sys
 import textwrap
@@ -36,25 +35,7 @@ SLACK = 32 * MiB
 CHUNK = 1 << 24  # int32 elements per checksum step: bounds the int64 temporaries to 128 MiB each
 
 
-@pytest.fixture(scope="module")
-def cumem():
-    from cumem_rs import CuMemAllocator
-
-    return CuMemAllocator.get_instance()
-
-
-def _settle() -> None:
-    gc.collect()
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-
-
-@pytest.fixture(autouse=True)
-def _awake_between_tests(cumem):
-    _settle()
-    yield
-    cumem.wake_up()  # a failing test must not leave memory asleep for the next one
-    _settle()
+from torch_support import _awake_between_tests, cumem, settle as _settle  # noqa: E402,F401
 
 
 def _free_bytes() -> int:

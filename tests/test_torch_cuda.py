@@ -7,7 +7,6 @@ caches and leaves nothing asleep (the autouse fixture wakes whatever a failing t
 
 from __future__ import annotations
 
-import gc
 import logging
 import os
 import subprocess
@@ -31,26 +30,7 @@ pytestmark = pytest.mark.skipif(
 MiB = 1 << 20
 
 
-@pytest.fixture(scope="module")
-def cumem():
-    from cumem_rs import CuMemAllocator
-
-    return CuMemAllocator.get_instance()
-
-
-def _settle() -> None:
-    """Finish queued work and let torch return every segment nobody uses (released pools included)."""
-    gc.collect()
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-
-
-@pytest.fixture(autouse=True)
-def _awake_between_tests(cumem):
-    _settle()
-    yield
-    cumem.wake_up()
-    _settle()
+from torch_support import _awake_between_tests, cumem, settle as _settle  # noqa: E402,F401
 
 
 def _record(cumem, tensor) -> Optional[dict]:

@@ -16,6 +16,7 @@ from typing import Any, Callable, Iterator, Optional
 
 from . import bench, bench_multi
 from .workload import (
+    add_workload_arguments,
     DEFAULT_KV_GIB,
     KV_TAG,
     WEIGHTS_TAG,
@@ -272,14 +273,8 @@ def build_parser() -> argparse.ArgumentParser:
                                       "KV cache under 'kv_cache'), fill the weights, sleep (offload weights, discard "
                                       "the KV cache), wake up, and verify data and addresses. Exit code 1 when "
                                       "verification fails.")
-    demo.add_argument("--backend", choices=["auto", "sim", "cuda"], default="auto",
-                      help="cuda: the GPU through CuMemAllocator; sim: the simulated device; auto: cuda when a GPU "
-                           "and CUDA torch are present (default)")
-    demo.add_argument("--scale", type=int, default=None,
-                      help=f"divide every tensor by N (default 1 on cuda, {DEFAULT_DEMO_SIM_SCALE} on sim)")
-    demo.add_argument("--kv-gib", type=float, default=DEFAULT_KV_GIB,
-                      help=f"KV cache size in GiB before scaling (default {DEFAULT_KV_GIB:g}; 0 = none)")
-    demo.add_argument("--cycles", type=int, default=1, help="sleep/wake cycles (default 1)")
+    add_workload_arguments(demo, sim_scale=DEFAULT_DEMO_SIM_SCALE, kv_gib=DEFAULT_KV_GIB, cycles=1,
+                           cycles_help="sleep/wake cycles")
     demo.add_argument("--seed", type=int, default=0, help="seed of the weights' random content")
     demo.set_defaults(func=cmd_demo)
 

@@ -31,6 +31,7 @@ import time
 from typing import Any, Callable, Optional
 
 from .workload import (
+    add_workload_arguments,
     DEFAULT_KV_GIB,
     KV_TAG,
     MiB,
@@ -700,15 +701,8 @@ def tms_child(args: argparse.Namespace) -> dict:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--backend", choices=["auto", "sim", "cuda"], default="auto",
-                   help="cuda: the GPU through CuMemAllocator; sim: the simulated device; auto: cuda when a GPU and "
-                        "CUDA torch are present (default)")
-    p.add_argument("--scale", type=int, default=None,
-                   help=f"divide every tensor of the workload by N (default 1 on cuda, {DEFAULT_SIM_SCALE} on sim)")
-    p.add_argument("--kv-gib", type=float, default=DEFAULT_KV_GIB,
-                   help=f"KV cache size in GiB before scaling (default {DEFAULT_KV_GIB:g}; 0 = none)")
-    p.add_argument("--cycles", type=int, default=DEFAULT_CYCLES,
-                   help=f"steady sleep/wake cycles after the cold one (default {DEFAULT_CYCLES})")
+    add_workload_arguments(p, sim_scale=DEFAULT_SIM_SCALE, kv_gib=DEFAULT_KV_GIB, cycles=DEFAULT_CYCLES,
+                           cycles_help="steady sleep/wake cycles after the cold one")
     p.add_argument("--malloc-count", type=int, default=DEFAULT_MALLOC_COUNT,
                    help=f"allocations of 1-64 MiB in the malloc rows (default {DEFAULT_MALLOC_COUNT})")
     p.add_argument("--no-tms", dest="tms", action="store_false",

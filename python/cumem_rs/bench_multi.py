@@ -34,6 +34,7 @@ from .bench import (
     timed,
 )
 from .workload import (
+    add_workload_arguments,
     KV_TAG,
     WEIGHTS_TAG,
     AllocatorWorkload,
@@ -306,17 +307,11 @@ def bench_cuda(args: argparse.Namespace) -> Results:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--backend", choices=["auto", "sim", "cuda"], default="auto",
-                   help="cuda: the GPUs through CuMemAllocator; sim: simulated devices; auto: cuda when a GPU and "
-                        "CUDA torch are present (default)")
+    add_workload_arguments(p, sim_scale=DEFAULT_SIM_SCALE, kv_gib=DEFAULT_KV_GIB, cycles=DEFAULT_CYCLES,
+                           cycles_help="steady sleep/wake cycles after the cold one", target="the GPUs",
+                           kv_help="KV cache per device in GiB before scaling, discarded by sleep")
     p.add_argument("--devices", type=int, default=None,
                    help=f"number of devices, from 0 (default: every GPU on cuda, {DEFAULT_SIM_DEVICES} on sim)")
-    p.add_argument("--scale", type=int, default=None,
-                   help=f"divide every tensor of the workload by N (default 1 on cuda, {DEFAULT_SIM_SCALE} on sim)")
-    p.add_argument("--kv-gib", type=float, default=DEFAULT_KV_GIB,
-                   help=f"KV cache per device in GiB before scaling, discarded by sleep (default {DEFAULT_KV_GIB:g})")
-    p.add_argument("--cycles", type=int, default=DEFAULT_CYCLES,
-                   help=f"steady sleep/wake cycles after the cold one (default {DEFAULT_CYCLES})")
     p.add_argument("--json", metavar="PATH", help="also write every number to PATH as JSON")
 
 

@@ -14,6 +14,8 @@ Two materialisations share the specs:
 
 from __future__ import annotations
 
+import argparse
+
 import random
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -268,3 +270,24 @@ class TorchWorkload:
     def release(self) -> None:
         self.tensors = []
         self._fingerprints = []
+
+
+def add_workload_arguments(
+    p: "argparse.ArgumentParser",
+    *,
+    sim_scale: int,
+    kv_gib: float,
+    cycles: int,
+    cycles_help: str,
+    target: str = "the GPU",
+    kv_help: str = "KV cache size in GiB before scaling",
+) -> None:
+    """The flags every command over the reference workload shares (demo, bench, bench-multi)."""
+    p.add_argument("--backend", choices=["auto", "sim", "cuda"], default="auto",
+                   help=f"cuda: {target} through CuMemAllocator; sim: the simulated device; auto: cuda when a GPU "
+                        "and CUDA torch are present (default)")
+    p.add_argument("--scale", type=int, default=None,
+                   help=f"divide every tensor of the workload by N (default 1 on cuda, {sim_scale} on sim)")
+    p.add_argument("--kv-gib", type=float, default=kv_gib, help=f"{kv_help} (default {kv_gib:g}; 0 = none)")
+    p.add_argument("--cycles", type=int, default=cycles, help=f"{cycles_help} (default {cycles})")
+
