@@ -753,14 +753,19 @@ def run(args: argparse.Namespace) -> int:
         return 1
     _add_tms_rows(res)
     m = res.metrics
-    res.print(f"cumem_rs sleep/wake benchmark ({backend}, scale 1/{m['scale']}, {m['tensors']} tensors)")
-    if m.get("errors"):
-        print(f"allocator recorded errors: {m['errors']}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"metrics": m, "rows": res.rows}, f, indent=1)
-        print(f"wrote {args.json}")
+    publish(res, f"cumem_rs sleep/wake benchmark ({backend}, scale 1/{m['scale']}, {m['tensors']} tensors)", args.json)
     return 0
+
+
+def publish(res: Results, title: str, json_path: Optional[str]) -> None:
+    """Print the table and the allocator's recorded errors; write every number to `json_path` when given."""
+    res.print(title)
+    if res.metrics.get("errors"):
+        print(f"allocator recorded errors: {res.metrics['errors']}")
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump({"metrics": res.metrics, "rows": res.rows}, f, indent=1)
+        print(f"wrote {json_path}")
 
 
 def main(argv: Optional[list[str]] = None) -> int:

@@ -17,13 +17,13 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import statistics
 import sys
 import time
 from typing import Any, Callable, Optional
 
 from .bench import (
+    publish,
     DEFAULT_CYCLES,
     Results,
     _memcpy_gbps,
@@ -329,14 +329,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: verification failed: {e}", file=sys.stderr)
         return 1
     m = res.metrics
-    res.print(f"cumem_rs multi-device sleep/wake benchmark ({backend}, {m['devices']} devices, scale "
-              f"1/{m['scale']}, {m['tensors_per_device']} tensors per device)")
-    if m.get("errors"):
-        print(f"allocator recorded errors: {m['errors']}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"metrics": m, "rows": res.rows}, f, indent=1)
-        print(f"wrote {args.json}")
+    publish(res, f"cumem_rs multi-device sleep/wake benchmark ({backend}, {m['devices']} devices, scale "
+            f"1/{m['scale']}, {m['tensors_per_device']} tensors per device)", args.json)
     return 0
 
 
