@@ -16,6 +16,7 @@ from ._native import (
     __version__,
     cuda_available,
 )
+from .logs import forward_native_logs
 
 __all__ = [
     "Allocator",
@@ -28,6 +29,7 @@ __all__ = [
     "FAULT_OPS",
     "__version__",
     "cuda_available",
+    "forward_native_logs",
 ]
 
 

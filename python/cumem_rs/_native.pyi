@@ -18,6 +18,7 @@ __all__ = [
     "cuda_available",
     "is_cuda_allocator_ready",
     "ffi_errors",
+    "drain_logs",
     "_panic_in_next_ffi_call",
 ]
 
@@ -45,6 +46,9 @@ def cuda_available() -> bool:
 
 def ffi_errors() -> list[str]:
     """Errors recorded by my_malloc/my_free while no CUDA allocator existed to record them (e.g. no GPU)."""
+
+def drain_logs() -> list[tuple[int, str]]:
+    """Rust-side log records queued since the last call, oldest first: (Python logging level, message)."""
 
 def _panic_in_next_ffi_call(on: bool) -> None:
     """Test hook: the next my_malloc or my_free call panics inside; the panic must be caught there."""

@@ -41,6 +41,7 @@ import torch
 
 from . import _native
 from ._native import Allocator, ClosedError, CumemError
+from .logs import forward_native_logs
 
 logger = logging.getLogger("cumem_rs")
 
@@ -386,6 +387,7 @@ class CuMemAllocator:
             backed_up, backed_up / _GiB, list(tags), discarded, discarded / _GiB,
             int(report.get("allocations", 0)), seconds, _rate(backed_up, seconds),
         )
+        forward_native_logs()
         return report
 
     def wake_up(self, tags: Optional[TagArg] = None) -> dict:
@@ -409,6 +411,7 @@ class CuMemAllocator:
             restored, restored / _GiB, "all tags" if wanted is None else wanted,
             int(report.get("allocations", 0)), seconds, _rate(restored, seconds),
         )
+        forward_native_logs()
         return report
 
     def discard(self, tags: TagArg) -> dict:
@@ -421,6 +424,7 @@ class CuMemAllocator:
         logger.info(
             "cumem_rs: discard released %d bytes (%.2f GiB) of %s", discarded, discarded / _GiB, list(wanted)
         )
+        forward_native_logs()
         return report
 
     def __repr__(self) -> str:

@@ -291,10 +291,12 @@ impl Engine {
         let mut issued = Vec::new();
         let mut arena = None;
         let mut first_err = None;
+        let mut cold = false;
         if total > 0 {
             let mut buf = match inner.host.take_cached(total) {
                 Some(buf) => buf,
                 None => {
+                    cold = true;
                     inner.host.trim()?;
                     HostBuffer::map_unpinned(&self.driver, total)?
                 }
@@ -365,6 +367,14 @@ impl Engine {
         drop(arena);
         self.collect_unused_arenas(&mut inner);
         report.seconds = start.elapsed().as_secs_f64();
+        log::debug!(
+            "engine sleep: {} allocations, {} bytes backed up ({}), {} bytes released without backup, {:.3} s",
+            report.allocations,
+            report.copied_bytes,
+            if cold { "cold: arena pinned during the copies" } else { "steady: cached arena" },
+            report.discarded_bytes,
+            report.seconds
+        );
         inner.stats.sleeps += 1;
         inner.stats.last_sleep = Some(report.clone());
         first_err.map_or(Ok(report), Err)
@@ -454,6 +464,13 @@ impl Engine {
         self.collect_unused_arenas(&mut inner);
         Self::note_peak(&mut inner);
         report.seconds = start.elapsed().as_secs_f64();
+        log::debug!(
+            "engine wake: {} allocations, {} bytes restored, {} bytes mapped without contents, {:.3} s",
+            report.allocations,
+            report.copied_bytes,
+            report.discarded_bytes,
+            report.seconds
+        );
         inner.stats.wakes += 1;
         inner.stats.last_wake = Some(report.clone());
         Ok(report)
@@ -692,6 +709,7 @@ impl Engine {
         if inner.errors.len() >= MAX_RECORDED_ERRORS {
             inner.errors.remove(0);
         }
+        log::warn!("{context}: {e}");
         inner.errors.push(format!("{context}: {e}"));
         inner.stats.recorded_errors += 1;
     }

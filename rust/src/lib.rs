@@ -9,6 +9,7 @@ pub mod error;
 pub mod ffi;
 pub mod global;
 pub mod host;
+pub mod logbuf;
 pub mod registry;
 pub mod transfer;
 

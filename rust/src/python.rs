@@ -504,6 +504,12 @@ fn ffi_errors() -> Vec<String> {
     ffi::ffi_errors()
 }
 
+/// Rust-side log records queued since the last call, oldest first: (Python logging level, message).
+#[pyfunction]
+fn drain_logs() -> Vec<(u32, String)> {
+    crate::logbuf::drain()
+}
+
 /// Test hook: the next my_malloc or my_free call panics inside (the panic must be caught there).
 #[pyfunction]
 fn _panic_in_next_ffi_call(on: bool) {
@@ -530,6 +536,8 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(cuda_available, m)?)?;
     m.add_function(wrap_pyfunction!(is_cuda_allocator_ready, m)?)?;
     m.add_function(wrap_pyfunction!(ffi_errors, m)?)?;
+    m.add_function(wrap_pyfunction!(drain_logs, m)?)?;
+    crate::logbuf::install();
     m.add_function(wrap_pyfunction!(_panic_in_next_ffi_call, m)?)?;
     Ok(())
 }

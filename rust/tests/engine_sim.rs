@@ -48,7 +48,11 @@ fn malloc_rounds_to_granularity_and_tracks_usage() {
     let (sim, e) = engine(2, 16 << 20);
     let a = e.malloc(1, 0, 0).unwrap();
     let b = e.malloc(GRAN + 1, 1, 0).unwrap();
-    assert_eq!((a % GRAN as u64, b % GRAN as u64), (0, 0), "ranges are granularity-aligned, as on CUDA");
+    assert_eq!(
+        (a % GRAN as u64, b % GRAN as u64),
+        (0, 0),
+        "ranges are granularity-aligned, as on CUDA"
+    );
     assert_eq!(e.usage(Some(0)).unwrap(), GRAN);
     assert_eq!(e.usage(Some(1)).unwrap(), 2 * GRAN);
     assert_eq!(sim.counts().used_bytes, vec![GRAN, 2 * GRAN]);
