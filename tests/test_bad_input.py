@@ -309,3 +309,10 @@ def test_inject_fault_on_cuda_refused(backend, alloc):
         pytest.skip("the simulated driver accepts faults")
     with pytest.raises(CumemError, match="(?i)sim"):
         alloc.inject_fault(cumem_rs.FAULT_OPS[0])
+
+
+@pytest.mark.parametrize("devices", [2**32, 2**40])
+def test_simulated_with_absurd_device_count_is_a_value_error(devices):
+    # Must not abort the process (a vector of 2**40 counters) nor wrap to 0 devices through a 32-bit cast.
+    with pytest.raises(ValueError, match=str(devices)):
+        Allocator.simulated(devices=devices)

@@ -689,7 +689,13 @@ impl Engine {
         if let Err(e) = inner.host.trim() {
             first_err.get_or_insert(e);
         }
-        if first_err.is_none() && inner.pending.is_empty() {
+        if first_err.is_none() && !inner.pending.is_empty() {
+            first_err = Some(Error::InvalidState(format!(
+                "close could not finish: {} driver releases are still refused (queued; call close again)",
+                inner.pending.len()
+            )));
+        }
+        if first_err.is_none() {
             inner.closed = true;
         }
         first_err.map_or(Ok(()), Err)

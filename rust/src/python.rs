@@ -258,8 +258,9 @@ impl Allocator {
         Ok(py.detach(|| self.engine.free(addr))?)
     }
 
-    fn push_tag(&self, tag: &Bound<'_, PyAny>) -> PyResult<()> {
-        Ok(self.engine.push_tag(&tag_arg(tag)?)?)
+    fn push_tag(&self, py: Python<'_>, tag: &Bound<'_, PyAny>) -> PyResult<()> {
+        let tag = tag_arg(tag)?;
+        Ok(py.detach(|| self.engine.push_tag(&tag))?)
     }
 
     fn pop_tag(&self) -> PyResult<String> {
@@ -335,16 +336,16 @@ impl Allocator {
     }
 
     #[pyo3(signature = (device = None))]
-    fn usage(&self, device: Option<i32>) -> PyResult<usize> {
+    fn usage(&self, py: Python<'_>, device: Option<i32>) -> PyResult<usize> {
         if let Some(d) = device {
             self.engine.granularity(d)?;
         }
-        Ok(self.engine.usage(device)?)
+        Ok(py.detach(|| self.engine.usage(device))?)
     }
 
     fn allocations<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
         let list = PyList::empty(py);
-        for a in self.engine.allocations()? {
+        for a in py.detach(|| self.engine.allocations())? {
             let d = PyDict::new(py);
             d.set_item("address", a.addr)?;
             d.set_item("size", a.size)?;
@@ -359,7 +360,7 @@ impl Allocator {
     }
 
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let s = self.engine.stats();
+        let s = py.detach(|| self.engine.stats());
         let d = PyDict::new(py);
         d.set_item("live_allocations", s.live_allocations)?;
         d.set_item("asleep_allocations", s.asleep_allocations)?;
@@ -391,8 +392,8 @@ impl Allocator {
         Ok(d)
     }
 
-    fn host_bytes(&self) -> usize {
-        self.engine.host_bytes()
+    fn host_bytes(&self, py: Python<'_>) -> usize {
+        py.detach(|| self.engine.host_bytes())
     }
 
     fn set_keep_host_memory(&self, py: Python<'_>, keep: bool) -> PyResult<()> {
@@ -408,8 +409,8 @@ impl Allocator {
         Ok(py.detach(|| self.engine.trim_host())?)
     }
 
-    fn errors(&self) -> Vec<String> {
-        self.engine.errors()
+    fn errors(&self, py: Python<'_>) -> Vec<String> {
+        py.detach(|| self.engine.errors())
     }
 
     #[pyo3(signature = (op, nth = 1, error = "unknown"))]
@@ -468,8 +469,8 @@ impl Allocator {
     }
 
     #[getter]
-    fn closed(&self) -> bool {
-        self.engine.is_closed()
+    fn closed(&self, py: Python<'_>) -> bool {
+        py.detach(|| self.engine.is_closed())
     }
 
     fn __repr__(&self) -> String {

@@ -132,7 +132,10 @@ pub fn issue_copy_out(
     for (_, pieces) in &ready {
         match issue_cell(driver, arena, jobs, pieces) {
             Ok(c) => issued.push(c),
-            Err(e) => return (issued, Err(e)),
+            Err(e) => {
+                drain(driver, jobs);
+                return (issued, Err(e));
+            }
         }
     }
     let ranges: Vec<(usize, usize)> = cold.iter().map(|(range, _)| *range).collect();
@@ -147,7 +150,21 @@ pub fn issue_copy_out(
             }
         }
     });
+    if result.is_err() {
+        drain(driver, jobs);
+    }
     (issued, result)
+}
+
+/// After a failed issue, copies queued before the failure may have no marker behind them: wait for every copy
+/// stream the jobs use, so none still writes into the arena when it is given back.
+fn drain(driver: &dyn Driver, jobs: &[Job]) {
+    let mut devices: Vec<i32> = jobs.iter().map(|j| j.device).collect();
+    devices.sort_unstable();
+    devices.dedup();
+    for d in devices {
+        let _ = driver.wait(d);
+    }
 }
 
 #[cfg(test)]

@@ -341,7 +341,11 @@ fn reserve_host_falls_back_to_driver_pinned_memory_and_reports_both_failures() {
     sim.inject_fault(Op::HostRegister, 1, 999).unwrap();
     e.reserve_host(4 * GRAN).unwrap();
     assert_eq!(sim.counts().host_allocated, 1);
-    assert!(e.errors().iter().any(|m| m.contains("host_register")), "{:?}", e.errors());
+    assert!(
+        e.errors().iter().any(|m| m.contains("host_register")),
+        "{:?}",
+        e.errors()
+    );
     let a = e.malloc(GRAN, 0, 0).unwrap();
     e.write(a, &pattern(2, GRAN)).unwrap();
     e.sleep(&["default"]).unwrap(); // backs up into the fallback buffer
@@ -352,7 +356,26 @@ fn reserve_host_falls_back_to_driver_pinned_memory_and_reports_both_failures() {
     sim.inject_fault(Op::HostRegister, 1, 999).unwrap();
     sim.inject_fault(Op::HostAlloc, 1, 2).unwrap();
     let err = e.reserve_host(4 * GRAN).unwrap_err();
-    assert!(err.is_out_of_memory() && err.to_string().contains("host_register"), "{err}");
+    assert!(
+        err.is_out_of_memory() && err.to_string().contains("host_register"),
+        "{err}"
+    );
     e.close().unwrap();
+    assert_no_leaks(&sim);
+}
+
+#[test]
+fn close_reports_releases_the_driver_still_refuses_and_can_be_retried() {
+    let (sim, e) = engine(1, 16 << 20);
+    let a = e.malloc(GRAN, 0, 0).unwrap();
+    sim.inject_fault(Op::FreeRange, 1, 999).unwrap(); // at free: queued and recorded
+    sim.inject_fault(Op::FreeRange, 2, 999).unwrap(); // at close's retry: still refused
+    e.free(a).unwrap();
+    assert_eq!(e.stats().pending_releases, 1);
+    let err = e.close().unwrap_err();
+    assert!(err.to_string().contains("still refused"), "{err}");
+    assert!(!e.is_closed(), "not closed while something is still held");
+    e.close().unwrap();
+    assert!(e.is_closed());
     assert_no_leaks(&sim);
 }

@@ -177,43 +177,86 @@ impl CudaDriver {
             })
     }
 
-    /// Make `device`'s primary context current on this thread (retaining it on first use) and return its state.
-    fn enter(&self, device: i32) -> Result<&DeviceState> {
+    /// Make `device`'s primary context current on this thread (retaining it and creating its copy stream on
+    /// first use). The guard puts back whatever context was current before when it is dropped, so the caller's
+    /// current device (torch's `torch.cuda.current_device()`) never changes under it.
+    fn enter(&self, device: i32) -> Result<(&DeviceState, CtxGuard)> {
         let d = self.device(device)?;
         let state = d.state.get_or_init(|| {
-            // SAFETY: driver calls with valid out-pointers; the retained context is never released, as torch
-            // keeps the same primary context for the life of the process.
+            let mut ctx = std::ptr::null_mut();
+            // SAFETY: valid out-pointer; the retained context is never released, as torch keeps the same primary
+            // context for the life of the process.
             unsafe {
-                let mut ctx = std::ptr::null_mut();
                 check(
                     "cuDevicePrimaryCtxRetain",
                     sys::cuDevicePrimaryCtxRetain(&mut ctx, d.ordinal),
-                )?;
-                check("cuCtxSetCurrent", sys::cuCtxSetCurrent(ctx))?;
-                let mut stream = std::ptr::null_mut();
+                )?
+            };
+            let _guard = CtxGuard::switch_to(ctx)?;
+            let mut stream = std::ptr::null_mut();
+            // SAFETY: valid out-pointer; the device's context is current.
+            unsafe {
                 check(
                     "cuStreamCreate",
                     sys::cuStreamCreate(
                         &mut stream,
                         sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32,
                     ),
-                )?;
-                Ok(DeviceState {
-                    ctx,
-                    copy_stream: stream,
-                })
-            }
+                )?
+            };
+            Ok(DeviceState {
+                ctx,
+                copy_stream: stream,
+            })
         });
         let state = state.as_ref().map_err(Clone::clone)?;
-        let mut current = std::ptr::null_mut();
-        // SAFETY: valid out-pointer; setting a retained primary context is always allowed.
-        unsafe {
-            check("cuCtxGetCurrent", sys::cuCtxGetCurrent(&mut current))?;
-            if current != state.ctx {
-                check("cuCtxSetCurrent", sys::cuCtxSetCurrent(state.ctx))?;
-            }
+        Ok((state, CtxGuard::switch_to(state.ctx)?))
+    }
+
+    /// Some context current for host-memory calls: the caller's own if it has one (PORTABLE pinning serves
+    /// every context), else device 0's primary.
+    fn enter_host(&self) -> Result<CtxGuard> {
+        if current_context()?.is_null() {
+            Ok(self.enter(0)?.1)
+        } else {
+            Ok(CtxGuard { previous: None })
         }
-        Ok(state)
+    }
+}
+
+fn current_context() -> Result<sys::CUcontext> {
+    let mut current = std::ptr::null_mut();
+    // SAFETY: valid out-pointer.
+    unsafe { check("cuCtxGetCurrent", sys::cuCtxGetCurrent(&mut current))? };
+    Ok(current)
+}
+
+/// Restores the context that was current before `switch_to` when dropped (if it switched at all).
+struct CtxGuard {
+    previous: Option<sys::CUcontext>,
+}
+
+impl CtxGuard {
+    fn switch_to(ctx: sys::CUcontext) -> Result<CtxGuard> {
+        let current = current_context()?;
+        if current == ctx {
+            return Ok(CtxGuard { previous: None });
+        }
+        // SAFETY: `ctx` is a retained primary context, valid for the life of the process.
+        unsafe { check("cuCtxSetCurrent", sys::cuCtxSetCurrent(ctx))? };
+        Ok(CtxGuard {
+            previous: Some(current),
+        })
+    }
+}
+
+impl Drop for CtxGuard {
+    fn drop(&mut self) {
+        if let Some(previous) = self.previous {
+            // SAFETY: puts back the context this thread had (possibly none); it was valid when we replaced it and
+            // contexts current on a thread are not destroyed underneath it.
+            unsafe { sys::cuCtxSetCurrent(previous) };
+        }
     }
 }
 
@@ -264,7 +307,7 @@ impl Driver for CudaDriver {
     }
 
     fn mem_info(&self, device: i32) -> Result<(usize, usize)> {
-        self.enter(device)?;
+        let _ctx = self.enter(device)?.1;
         let (mut free, mut total) = (0usize, 0usize);
         // SAFETY: valid out-pointers; the device's context is current.
         unsafe { check("cuMemGetInfo", sys::cuMemGetInfo_v2(&mut free, &mut total))? };
@@ -273,7 +316,7 @@ impl Driver for CudaDriver {
 
     fn reserve(&self, device: i32, size: usize) -> Result<DevPtr> {
         let gran = self.device(device)?.granularity;
-        self.enter(device)?;
+        let _ctx = self.enter(device)?.1;
         let mut ptr: sys::CUdeviceptr = 0;
         // SAFETY: valid out-pointer; alignment is the device's granularity.
         unsafe {
@@ -286,13 +329,14 @@ impl Driver for CudaDriver {
     }
 
     fn free_range(&self, addr: DevPtr, size: usize) -> Result<()> {
-        // SAFETY: frees a range this driver reserved; the engine unmapped it first.
+        let _ctx = self.enter_host()?; // any context: threads without one (our own) get device 0's
+                                       // SAFETY: frees a range this driver reserved; the engine unmapped it first.
         unsafe { check(Op::FreeRange.name(), sys::cuMemAddressFree(addr, size)) }
     }
 
     fn create(&self, device: i32, size: usize) -> Result<PhysHandle> {
         let d = self.device(device)?;
-        self.enter(device)?;
+        let _ctx = self.enter(device)?.1;
         let prop = allocation_prop(d.ordinal, d.rdma_with_vmm);
         let mut handle: sys::CUmemGenericAllocationHandle = 0;
         // SAFETY: valid out-pointer and property struct.
@@ -306,22 +350,26 @@ impl Driver for CudaDriver {
     }
 
     fn release(&self, handle: PhysHandle) -> Result<()> {
-        // SAFETY: releases a handle this driver created, once (the engine drops it from its records).
+        let _ctx = self.enter_host()?; // any context: threads without one (our own) get device 0's
+                                       // SAFETY: releases a handle this driver created, once (the engine drops it from its records).
         unsafe { check(Op::Release.name(), sys::cuMemRelease(handle.0)) }
     }
 
     fn map(&self, addr: DevPtr, size: usize, handle: PhysHandle) -> Result<()> {
-        // SAFETY: maps our handle into our reserved range; the driver validates both.
+        let _ctx = self.enter_host()?; // any context: threads without one (our own) get device 0's
+                                       // SAFETY: maps our handle into our reserved range; the driver validates both.
         unsafe { check(Op::Map.name(), sys::cuMemMap(addr, size, 0, handle.0, 0)) }
     }
 
     fn unmap(&self, addr: DevPtr, size: usize) -> Result<()> {
-        // SAFETY: unmaps our own mapping after the engine made sure no work uses it.
+        let _ctx = self.enter_host()?; // any context: threads without one (our own) get device 0's
+                                       // SAFETY: unmaps our own mapping after the engine made sure no work uses it.
         unsafe { check(Op::Unmap.name(), sys::cuMemUnmap(addr, size)) }
     }
 
     fn set_access(&self, device: i32, addr: DevPtr, size: usize) -> Result<()> {
         let d = self.device(device)?;
+        let _ctx = self.enter(device)?.1;
         let desc = sys::CUmemAccessDesc {
             location: location(d.ordinal),
             flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
@@ -336,7 +384,7 @@ impl Driver for CudaDriver {
     }
 
     fn copy_d2h(&self, device: i32, dst: HostPtr, src: DevPtr, size: usize) -> Result<()> {
-        let st = self.enter(device)?;
+        let (st, _ctx) = self.enter(device)?;
         // SAFETY: dst points into a live host buffer of at least `size` bytes that the engine keeps alive until
         // `wait`; the driver validates the device range.
         unsafe {
@@ -348,7 +396,7 @@ impl Driver for CudaDriver {
     }
 
     fn copy_h2d(&self, device: i32, dst: DevPtr, src: HostPtr, size: usize) -> Result<()> {
-        let st = self.enter(device)?;
+        let (st, _ctx) = self.enter(device)?;
         // SAFETY: as in copy_d2h, with the roles swapped.
         unsafe {
             check(
@@ -359,13 +407,13 @@ impl Driver for CudaDriver {
     }
 
     fn wait(&self, device: i32) -> Result<()> {
-        let st = self.enter(device)?;
+        let (st, _ctx) = self.enter(device)?;
         // SAFETY: our own stream.
         unsafe { check(Op::Wait.name(), sys::cuStreamSynchronize(st.copy_stream)) }
     }
 
     fn record_marker(&self, device: i32) -> Result<u64> {
-        let st = self.enter(device)?;
+        let (st, _ctx) = self.enter(device)?;
         let mut ev: sys::CUevent = std::ptr::null_mut();
         // SAFETY: valid out-pointer; the event is destroyed by wait_marker (or right here on failure).
         unsafe {
@@ -382,8 +430,16 @@ impl Driver for CudaDriver {
     }
 
     fn wait_marker(&self, device: i32, marker: u64) -> Result<()> {
-        self.enter(device)?;
         let ev = marker as sys::CUevent;
+        let _ctx = match self.enter(device) {
+            Ok((_, guard)) => guard,
+            Err(e) => {
+                // SAFETY: the marker must be forgotten even on failure (trait contract); destroying an event
+                // needs no particular current context.
+                unsafe { sys::cuEventDestroy_v2(ev) };
+                return Err(e);
+            }
+        };
         // SAFETY: `marker` is an event made by record_marker and waited for exactly once (the engine drops it).
         unsafe {
             let r = check(Op::Wait.name(), sys::cuEventSynchronize(ev));
@@ -393,16 +449,15 @@ impl Driver for CudaDriver {
     }
 
     fn synchronize(&self, device: i32, stream: u64) -> Result<()> {
-        self.enter(device)?;
+        let _ctx = self.enter(device)?.1;
         if stream != 0 {
             let mut status = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
-            // SAFETY: `stream` is the live stream torch handed to my_malloc/my_free; valid out-pointer.
-            unsafe {
-                check(
-                    "cuStreamIsCapturing",
-                    sys::cuStreamIsCapturing(stream as sys::CUstream, &mut status),
-                )?
-            };
+            // SAFETY: `stream` is the stream torch handed to my_malloc; valid out-pointer. If it no longer exists
+            // the query fails and the whole context is synchronized instead (correct, only broader).
+            let query = unsafe { sys::cuStreamIsCapturing(stream as sys::CUstream, &mut status) };
+            if query != CUresult::CUDA_SUCCESS {
+                status = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
+            }
             if status != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE {
                 // Synchronizing would invalidate the capture; torch does not hand memory back mid-capture anyway.
                 return Ok(());
@@ -413,7 +468,7 @@ impl Driver for CudaDriver {
     }
 
     fn host_register(&self, ptr: HostPtr, size: usize) -> Result<()> {
-        self.enter(0)?;
+        let _ctx = self.enter_host()?;
         // SAFETY: [ptr, ptr+size) is a live mapping owned by a HostBuffer; PORTABLE pins it for every context.
         unsafe {
             check(
@@ -428,7 +483,7 @@ impl Driver for CudaDriver {
     }
 
     fn host_unregister(&self, ptr: HostPtr) -> Result<()> {
-        self.enter(0)?;
+        let _ctx = self.enter_host()?;
         // SAFETY: unregisters memory we registered; no copy is in flight (the engine waited).
         unsafe {
             check(
@@ -439,7 +494,7 @@ impl Driver for CudaDriver {
     }
 
     fn host_alloc(&self, size: usize) -> Result<HostPtr> {
-        self.enter(0)?;
+        let _ctx = self.enter_host()?;
         let mut p: *mut c_void = std::ptr::null_mut();
         // SAFETY: valid out-pointer.
         unsafe {
@@ -452,7 +507,7 @@ impl Driver for CudaDriver {
     }
 
     fn host_free(&self, ptr: HostPtr) -> Result<()> {
-        self.enter(0)?;
+        let _ctx = self.enter_host()?;
         // SAFETY: frees memory from host_alloc, once.
         unsafe { check("cuMemFreeHost", sys::cuMemFreeHost(ptr.0 as *mut c_void)) }
     }

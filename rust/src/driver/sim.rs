@@ -22,6 +22,9 @@ use rustix::mm::{mmap, mmap_anonymous, mprotect, munmap, MapFlags, MprotectFlags
 use super::{DevPtr, Driver, HostPtr, Op, PhysHandle};
 use crate::error::{Error, Result};
 
+/// More simulated devices than any machine has GPUs is a mistake, not a configuration.
+pub const MAX_SIM_DEVICES: usize = 1024;
+
 /// Byte that fills freshly created physical memory.
 pub const POISON: u8 = 0xA5;
 
@@ -134,8 +137,11 @@ fn os_err(op: Op, e: rustix::io::Errno) -> Error {
 
 impl SimDriver {
     pub fn new(config: SimConfig) -> Result<Self> {
-        if config.devices == 0 {
-            return Err(Error::invalid("devices must be at least 1"));
+        if config.devices == 0 || config.devices > MAX_SIM_DEVICES {
+            return Err(Error::invalid(format!(
+                "devices must be between 1 and {MAX_SIM_DEVICES}, got {}",
+                config.devices
+            )));
         }
         let page = rustix::param::page_size();
         if config.granularity == 0 || !config.granularity.is_multiple_of(page) {
@@ -658,13 +664,14 @@ impl Driver for SimDriver {
     fn host_register(&self, ptr: HostPtr, size: usize) -> Result<()> {
         let mut st = self.state.lock();
         st.enter(Op::HostRegister)?;
-        if st.host_registered.insert(ptr.0, size).is_some() {
+        if st.host_registered.contains_key(&ptr.0) {
             return Err(Error::driver(
                 Op::HostRegister.name(),
                 712,
                 "CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED",
             ));
         }
+        st.host_registered.insert(ptr.0, size);
         Ok(())
     }
 

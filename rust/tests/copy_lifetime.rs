@@ -1,0 +1,193 @@
+//! Host backup memory must never be unpinned while a copy into it may still be queued. The simulated driver
+//! copies synchronously, so this is checked on the order of driver calls instead: a wrapper records every call
+//! the engine makes to the (real) simulated driver, and the test replays that log against the CUDA rule
+//! "a queued copy is finished only by a later wait of its device's stream (or a marker recorded after it)".
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use cumem_rs::driver::sim::SimDriver;
+use cumem_rs::driver::{DevPtr, Driver, HostPtr, Op, PhysHandle};
+use cumem_rs::{Engine, Result, SimConfig};
+use parking_lot::Mutex;
+
+const GRAN: usize = 64 << 10;
+
+#[derive(Debug, Clone)]
+enum Call {
+    Copy(i32),
+    Record(i32, u64),
+    WaitMarker(i32, u64),
+    Wait(i32),
+    Unpin,
+}
+
+struct Recording {
+    sim: SimDriver,
+    log: Mutex<Vec<Call>>,
+}
+
+impl Recording {
+    fn push(&self, c: Call) {
+        self.log.lock().push(c);
+    }
+}
+
+impl Driver for Recording {
+    fn backend(&self) -> &'static str {
+        "sim"
+    }
+    fn device_count(&self) -> Result<usize> {
+        self.sim.device_count()
+    }
+    fn granularity(&self, device: i32) -> Result<usize> {
+        self.sim.granularity(device)
+    }
+    fn mem_info(&self, device: i32) -> Result<(usize, usize)> {
+        self.sim.mem_info(device)
+    }
+    fn reserve(&self, device: i32, size: usize) -> Result<DevPtr> {
+        self.sim.reserve(device, size)
+    }
+    fn free_range(&self, addr: DevPtr, size: usize) -> Result<()> {
+        self.sim.free_range(addr, size)
+    }
+    fn create(&self, device: i32, size: usize) -> Result<PhysHandle> {
+        self.sim.create(device, size)
+    }
+    fn release(&self, handle: PhysHandle) -> Result<()> {
+        self.sim.release(handle)
+    }
+    fn map(&self, addr: DevPtr, size: usize, handle: PhysHandle) -> Result<()> {
+        self.sim.map(addr, size, handle)
+    }
+    fn unmap(&self, addr: DevPtr, size: usize) -> Result<()> {
+        self.sim.unmap(addr, size)
+    }
+    fn set_access(&self, device: i32, addr: DevPtr, size: usize) -> Result<()> {
+        self.sim.set_access(device, addr, size)
+    }
+    fn copy_d2h(&self, device: i32, dst: HostPtr, src: DevPtr, size: usize) -> Result<()> {
+        let r = self.sim.copy_d2h(device, dst, src, size);
+        if r.is_ok() {
+            self.push(Call::Copy(device));
+        }
+        r
+    }
+    fn copy_h2d(&self, device: i32, dst: DevPtr, src: HostPtr, size: usize) -> Result<()> {
+        let r = self.sim.copy_h2d(device, dst, src, size);
+        if r.is_ok() {
+            self.push(Call::Copy(device));
+        }
+        r
+    }
+    fn wait(&self, device: i32) -> Result<()> {
+        self.push(Call::Wait(device)); // even a failed wait ends the stream's work on CUDA (it reports the error)
+        self.sim.wait(device)
+    }
+    fn record_marker(&self, device: i32) -> Result<u64> {
+        let m = self.sim.record_marker(device)?;
+        self.push(Call::Record(device, m));
+        Ok(m)
+    }
+    fn wait_marker(&self, device: i32, marker: u64) -> Result<()> {
+        self.push(Call::WaitMarker(device, marker));
+        self.sim.wait_marker(device, marker)
+    }
+    fn synchronize(&self, device: i32, stream: u64) -> Result<()> {
+        self.sim.synchronize(device, stream)
+    }
+    fn host_register(&self, ptr: HostPtr, size: usize) -> Result<()> {
+        self.sim.host_register(ptr, size)
+    }
+    fn host_unregister(&self, ptr: HostPtr) -> Result<()> {
+        self.push(Call::Unpin);
+        self.sim.host_unregister(ptr)
+    }
+    fn host_alloc(&self, size: usize) -> Result<HostPtr> {
+        self.sim.host_alloc(size)
+    }
+    fn host_free(&self, ptr: HostPtr) -> Result<()> {
+        self.push(Call::Unpin);
+        self.sim.host_free(ptr)
+    }
+    fn as_sim(&self) -> Option<&SimDriver> {
+        Some(&self.sim)
+    }
+}
+
+/// Replays the log: at every unpin, no device may have copies that no later wait or marker wait covered.
+fn assert_no_copy_in_flight_at_unpin(log: &[Call]) {
+    let mut pending: HashMap<i32, usize> = HashMap::new(); // copies queued since the last completion point
+    let mut marked: HashMap<u64, (i32, usize)> = HashMap::new(); // marker -> copies it covers
+    for (i, c) in log.iter().enumerate() {
+        match c {
+            Call::Copy(d) => *pending.entry(*d).or_default() += 1,
+            Call::Record(d, m) => {
+                marked.insert(*m, (*d, pending.get(d).copied().unwrap_or(0)));
+            }
+            Call::WaitMarker(d, m) => {
+                let covered = marked.remove(m).map_or(0, |(_, n)| n);
+                let p = pending.entry(*d).or_default();
+                *p = p.saturating_sub(covered);
+            }
+            Call::Wait(d) => {
+                pending.insert(*d, 0);
+            }
+            Call::Unpin => {
+                let busy: Vec<_> = pending.iter().filter(|(_, n)| **n > 0).collect();
+                assert!(
+                    busy.is_empty(),
+                    "host memory unpinned at call {i} with copies still queued: {busy:?}\n{log:?}"
+                );
+            }
+        }
+    }
+}
+
+fn run_with_fault(op: Op, nth: u64) -> Vec<Call> {
+    let rec = Arc::new(Recording {
+        sim: SimDriver::new(SimConfig {
+            devices: 2,
+            capacity: 16 << 20,
+            granularity: GRAN,
+        })
+        .unwrap(),
+        log: Mutex::new(Vec::new()),
+    });
+    let e = Engine::new(rec.clone() as Arc<dyn Driver>).unwrap();
+    e.set_pin_chunk(3 * 4096 * 5);
+    e.set_keep_host_memory(false).unwrap(); // a buffer no allocation uses is unpinned at once
+    e.push_tag("weights").unwrap();
+    for i in 0..6 {
+        e.malloc(GRAN * (1 + i % 3), (i % 2) as i32, 0).unwrap();
+    }
+    e.pop_tag().unwrap();
+    rec.sim.inject_fault(op, nth, 999).unwrap();
+    let _ = e.sleep(&["weights"]);
+    rec.sim.clear_faults();
+    let _ = e.wake(None::<&[&str]>);
+    let _ = e.sleep(&["weights"]);
+    let _ = e.wake(None::<&[&str]>);
+    e.close().unwrap();
+    let log = rec.log.lock().clone();
+    log
+}
+
+#[test]
+fn no_host_buffer_is_unpinned_under_queued_copies_whatever_fails() {
+    let mut runs = 0;
+    for op in [
+        Op::CopyD2H,
+        Op::Record,
+        Op::Wait,
+        Op::CopyH2D,
+        Op::HostRegister,
+    ] {
+        for nth in 1..=12 {
+            assert_no_copy_in_flight_at_unpin(&run_with_fault(op, nth));
+            runs += 1;
+        }
+    }
+    assert_eq!(runs, 60);
+}
