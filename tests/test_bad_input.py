@@ -315,4 +315,4 @@ def test_inject_fault_on_cuda_refused(backend, alloc):
 def test_simulated_with_absurd_device_count_is_a_value_error(devices):
     # Must not abort the process (a vector of 2**40 counters) nor wrap to 0 devices through a 32-bit cast.
     with pytest.raises(ValueError, match=str(devices)):
-        Allocator.simulated(devices=devices)
+        cumem_rs.Allocator.simulated(devices=devices)
