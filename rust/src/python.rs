@@ -473,13 +473,14 @@ impl Allocator {
         py.detach(|| self.engine.is_closed())
     }
 
-    fn __repr__(&self) -> String {
+    fn __repr__(&self, py: Python<'_>) -> String {
+        let s = py.detach(|| self.engine.stats());
         format!(
             "Allocator(backend={:?}, devices={}, live={}, mapped={} bytes)",
             self.backend(),
             self.engine.device_count(),
-            self.engine.stats().live_allocations,
-            self.engine.stats().mapped_bytes
+            s.live_allocations,
+            s.mapped_bytes
         )
     }
 }

@@ -161,10 +161,6 @@ impl SimDriver {
         })
     }
 
-    pub fn config(&self) -> SimConfig {
-        self.config
-    }
-
     /// The `nth` next call (1 = the very next) of `op` fails with CUDA error `code`.
     pub fn inject_fault(&self, op: Op, nth: u64, code: i32) -> Result<()> {
         if nth == 0 {
