@@ -46,6 +46,22 @@ def _usable_gpus() -> int:
     return torch.cuda.device_count()
 
 
+def _active_primary_contexts() -> list[bool]:
+    """For every visible GPU: is its primary context active in this process? Asked of the driver directly."""
+    import ctypes
+
+    cuda = ctypes.CDLL("libcuda.so.1")
+    count = ctypes.c_int()
+    assert cuda.cuDeviceGetCount(ctypes.byref(count)) == 0
+    active = []
+    for ordinal in range(count.value):
+        dev, flags, is_active = ctypes.c_int(), ctypes.c_uint(), ctypes.c_int()
+        assert cuda.cuDeviceGet(ctypes.byref(dev), ordinal) == 0
+        assert cuda.cuDevicePrimaryCtxGetState(dev, ctypes.byref(flags), ctypes.byref(is_active)) == 0
+        active.append(bool(is_active.value))
+    return active
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # One rank (runs in a child process).
 
@@ -97,8 +113,12 @@ def _worker() -> int:
 
     free0 = torch.cuda.mem_get_info(rank)[0]
     mapped0 = core.usage(rank)
+    # Sleep pins host memory on worker threads that have no CUDA context: they must borrow this rank's, not
+    # create one on GPU 0 (which would also cost GPU 0 memory that rank 0 is measuring).
+    contexts = _active_primary_contexts()
     cumem.sleep(offload_tags="weights")
     torch.cuda.synchronize()
+    assert _active_primary_contexts() == contexts, f"sleep created a CUDA context on another GPU: {contexts}"
     assert core.usage(rank) == 0, f"{core.usage(rank)} bytes still mapped after sleep"
     freed = torch.cuda.mem_get_info(rank)[0] - free0
     assert freed >= mapped0 - FREE_SLACK, f"sleep freed {freed} bytes of the GPU, {mapped0} were mapped"
@@ -111,7 +131,9 @@ def _worker() -> int:
     torch.cuda.synchronize()
     assert bool((outside == expected).all()) and bool((asleep_sum == expected).all()), "all_reduce while asleep"
 
+    contexts = _active_primary_contexts()
     cumem.wake_up()
+    assert _active_primary_contexts() == contexts, f"wake created a CUDA context on another GPU: {contexts}"
     assert [t.data_ptr() for t in weights + [in_pool]] == ptrs, "data_ptr changed across sleep/wake"
     for i, (w, ref) in enumerate(zip(weights, refs)):
         assert torch.equal(w.reshape(-1).view(torch.uint8).cpu(), ref), f"weights[{i}] differ after wake"

@@ -29,7 +29,11 @@ struct Device {
     ordinal: sys::CUdevice,
     granularity: usize,
     rdma_with_vmm: bool,
-    state: OnceLock<std::result::Result<DeviceState, Error>>,
+    /// Set on the first successful use. A failed set-up is not kept: the next call tries again (a transient
+    /// failure must not disable a GPU for the life of the process).
+    state: OnceLock<DeviceState>,
+    /// Serializes set-up, so that two threads never both retain the context and create a stream.
+    setup: parking_lot::Mutex<()>,
 }
 
 pub struct CudaDriver {
@@ -131,6 +135,7 @@ impl CudaDriver {
                     granularity,
                     rdma_with_vmm: rdma,
                     state: OnceLock::new(),
+                    setup: parking_lot::Mutex::new(()),
                 });
             }
             Ok(CudaDriver {
@@ -182,44 +187,70 @@ impl CudaDriver {
     /// current device (torch's `torch.cuda.current_device()`) never changes under it.
     fn enter(&self, device: i32) -> Result<(&DeviceState, CtxGuard)> {
         let d = self.device(device)?;
-        let state = d.state.get_or_init(|| {
-            let mut ctx = std::ptr::null_mut();
-            // SAFETY: valid out-pointer; the retained context is never released, as torch keeps the same primary
-            // context for the life of the process.
-            unsafe {
-                check(
-                    "cuDevicePrimaryCtxRetain",
-                    sys::cuDevicePrimaryCtxRetain(&mut ctx, d.ordinal),
-                )?
-            };
-            let _guard = CtxGuard::switch_to(ctx)?;
-            let mut stream = std::ptr::null_mut();
-            // SAFETY: valid out-pointer; the device's context is current.
-            unsafe {
-                check(
-                    "cuStreamCreate",
-                    sys::cuStreamCreate(
-                        &mut stream,
-                        sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32,
-                    ),
-                )?
-            };
-            Ok(DeviceState {
-                ctx,
-                copy_stream: stream,
-            })
-        });
-        let state = state.as_ref().map_err(Clone::clone)?;
+        let state = match d.state.get() {
+            Some(state) => state,
+            None => {
+                let _serial = d.setup.lock();
+                match d.state.get() {
+                    Some(state) => state, // another thread set it up while this one waited
+                    None => {
+                        let fresh = set_up(d.ordinal)?;
+                        d.state.get_or_init(|| fresh)
+                    }
+                }
+            }
+        };
         Ok((state, CtxGuard::switch_to(state.ctx)?))
     }
 
-    /// Some context current for host-memory calls: the caller's own if it has one (PORTABLE pinning serves
-    /// every context), else device 0's primary.
+    /// Some context current for calls that are not tied to one device (host pinning, unmap, release): the
+    /// caller's own if it has one (PORTABLE pinning serves every context), else the context of a device this
+    /// process already uses. Only a thread of a process that has touched no device yet gets device 0's: a rank
+    /// that owns GPU 1 must not create a context (and its memory) on GPU 0 from our worker threads.
     fn enter_host(&self) -> Result<CtxGuard> {
-        if current_context()?.is_null() {
-            Ok(self.enter(0)?.1)
-        } else {
-            Ok(CtxGuard { previous: None })
+        if !current_context()?.is_null() {
+            return Ok(CtxGuard { previous: None });
+        }
+        let in_use = self.devices.iter().find_map(|d| d.state.get());
+        match in_use {
+            Some(state) => CtxGuard::switch_to(state.ctx),
+            None => Ok(self.enter(0)?.1),
+        }
+    }
+}
+
+/// Retain `ordinal`'s primary context and create its copy stream. On failure nothing stays retained.
+fn set_up(ordinal: sys::CUdevice) -> Result<DeviceState> {
+    let mut ctx = std::ptr::null_mut();
+    // SAFETY: valid out-pointer; once set-up succeeds the retained context is never released, as torch keeps the
+    // same primary context for the life of the process.
+    unsafe {
+        check(
+            "cuDevicePrimaryCtxRetain",
+            sys::cuDevicePrimaryCtxRetain(&mut ctx, ordinal),
+        )?
+    };
+    // Create the stream in the device's context; the guard puts the caller's context back afterwards.
+    let stream = CtxGuard::switch_to(ctx).and_then(|_current| {
+        let mut stream = std::ptr::null_mut();
+        // SAFETY: valid out-pointer; the device's context is current.
+        unsafe {
+            check(
+                "cuStreamCreate",
+                sys::cuStreamCreate(
+                    &mut stream,
+                    sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32,
+                ),
+            )?
+        };
+        Ok(stream)
+    });
+    match stream {
+        Ok(copy_stream) => Ok(DeviceState { ctx, copy_stream }),
+        Err(e) => {
+            // SAFETY: balances the retain above; this context is not used by us afterwards.
+            unsafe { sys::cuDevicePrimaryCtxRelease_v2(ordinal) };
+            Err(e)
         }
     }
 }
@@ -329,7 +360,7 @@ impl Driver for CudaDriver {
     }
 
     fn free_range(&self, addr: DevPtr, size: usize) -> Result<()> {
-        let _ctx = self.enter_host()?; // any context: threads without one (our own) get device 0's
+        let _ctx = self.enter_host()?; // any context: see enter_host
                                        // SAFETY: frees a range this driver reserved; the engine unmapped it first.
         unsafe { check(Op::FreeRange.name(), sys::cuMemAddressFree(addr, size)) }
     }
@@ -350,19 +381,19 @@ impl Driver for CudaDriver {
     }
 
     fn release(&self, handle: PhysHandle) -> Result<()> {
-        let _ctx = self.enter_host()?; // any context: threads without one (our own) get device 0's
+        let _ctx = self.enter_host()?; // any context: see enter_host
                                        // SAFETY: releases a handle this driver created, once (the engine drops it from its records).
         unsafe { check(Op::Release.name(), sys::cuMemRelease(handle.0)) }
     }
 
     fn map(&self, addr: DevPtr, size: usize, handle: PhysHandle) -> Result<()> {
-        let _ctx = self.enter_host()?; // any context: threads without one (our own) get device 0's
+        let _ctx = self.enter_host()?; // any context: see enter_host
                                        // SAFETY: maps our handle into our reserved range; the driver validates both.
         unsafe { check(Op::Map.name(), sys::cuMemMap(addr, size, 0, handle.0, 0)) }
     }
 
     fn unmap(&self, addr: DevPtr, size: usize) -> Result<()> {
-        let _ctx = self.enter_host()?; // any context: threads without one (our own) get device 0's
+        let _ctx = self.enter_host()?; // any context: see enter_host
                                        // SAFETY: unmaps our own mapping after the engine made sure no work uses it.
         unsafe { check(Op::Unmap.name(), sys::cuMemUnmap(addr, size)) }
     }
