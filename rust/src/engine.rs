@@ -11,8 +11,8 @@
 //! One mutex guards the registry: malloc/free issued while a sleep or wake runs wait until it has finished.
 
 use std::collections::HashSet;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering, Ordering as AtomicOrdering};
-use std::sync::{Arc, Barrier};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 use std::time::Instant;
 
 use parking_lot::Mutex;
@@ -80,45 +80,6 @@ enum Pending {
     Unmap { addr: DevPtr, size: usize },
     Release(PhysHandle),
     FreeRange { addr: DevPtr, size: usize },
-}
-
-/// Why a device's wake gave up early; never the error a wake reports when another device's failure caused it.
-const STOPPED: &str = "wake stopped: another device's wake failed";
-
-/// Cleanup a failed create/map/set_access leaves (applied under the lock, by `Engine::undo`).
-enum Undo {
-    Release(PhysHandle),
-    UnmapRelease(DevPtr, usize, PhysHandle),
-}
-
-/// What one device's part of a wake did (see `Engine::wake_per_device`).
-struct DeviceWake {
-    mapped: Vec<(DevPtr, PhysHandle)>,
-    copied_bytes: usize,
-    discarded_bytes: usize,
-    undo: Vec<Undo>,
-    result: Result<()>,
-}
-
-impl Default for DeviceWake {
-    fn default() -> Self {
-        DeviceWake {
-            mapped: Vec::new(),
-            copied_bytes: 0,
-            discarded_bytes: 0,
-            undo: Vec::new(),
-            result: Ok(()),
-        }
-    }
-}
-
-impl DeviceWake {
-    fn failed(detail: &str) -> Self {
-        DeviceWake {
-            result: Err(Error::InvalidState(detail.into())),
-            ..DeviceWake::default()
-        }
-    }
 }
 
 struct Inner {
@@ -444,11 +405,10 @@ impl Engine {
     /// Map new physical memory at the same addresses for asleep allocations whose tag is in `tags` (None: all),
     /// and copy their backups back. All or nothing.
     ///
-    /// Order, on each device (one thread per device when several wake, see `wake_per_device`): map every
-    /// backed-up allocation, queue all their copies on the device's stream, then map the allocations without
-    /// backup while those copies run; then wait once per device. Interleaving maps with copies instead was
-    /// measured to serialize two GPUs (0.61x of their aggregate copy bandwidth), and mapping both devices' KV
-    /// caches from one thread left the second device's copies waiting behind the first device's maps.
+    /// Order: map every backed-up allocation (all devices), queue all their copies (one stream per device, so
+    /// devices copy in parallel), then map the allocations without backup while those copies run, and wait once
+    /// per device. Interleaving maps with copies instead was measured to serialize two GPUs (0.61x of their
+    /// aggregate copy bandwidth): maps on one device waited for the copies already queued.
     pub fn wake<S: AsRef<str>>(&self, tags: Option<&[S]>) -> Result<Report> {
         let start = Instant::now();
         let wanted = tags.map(tag_set);
@@ -472,21 +432,26 @@ impl Engine {
             ..Report::default()
         };
         let mut mapped: Vec<(DevPtr, PhysHandle)> = Vec::with_capacity(targets.len());
-        let (mut result, mut was_stopped) = (Ok(()), false);
-        for part in self.wake_per_device(&inner, &targets) {
-            mapped.extend(part.mapped);
-            report.copied_bytes += part.copied_bytes;
-            report.discarded_bytes += part.discarded_bytes;
-            for undo in part.undo {
-                self.undo(&mut inner, undo);
+        let backed = targets
+            .iter()
+            .filter(|a| Self::backup_of(&inner, **a).is_some())
+            .count();
+        let result = (|| {
+            for addr in &targets[..backed] {
+                mapped.push((*addr, self.map_at(&mut inner, *addr)?));
             }
-            // The failure that stopped the others is the one to report, whatever its device's position.
-            let stopped = matches!(&part.result, Err(Error::InvalidState(m)) if m == STOPPED);
-            if result.is_ok() || (!stopped && was_stopped) {
-                was_stopped = stopped;
-                result = part.result;
+            for addr in &targets[..backed] {
+                let a = inner.reg.get(*addr).expect("selected");
+                let b = Self::backup_of(&inner, *addr).expect("sorted first");
+                self.copy_back(a.device, a.addr, a.size, b)?;
+                report.copied_bytes += a.size;
             }
-        }
+            for addr in &targets[backed..] {
+                mapped.push((*addr, self.map_at(&mut inner, *addr)?));
+                report.discarded_bytes += inner.reg.get(*addr).expect("selected").size;
+            }
+            Ok(())
+        })();
         // Wait even after a failure: no copy may still be writing when the rollback unmaps.
         let result = self.wait_devices(&inner, &targets, result);
         if let Err(e) = result {
@@ -518,120 +483,11 @@ impl Engine {
         }
     }
 
-    /// Run the wake steps of each device on its own thread (the caller's thread when there is only one), so
-    /// that one device's driver calls never wait behind another's. Each part holds what its thread mapped and
-    /// the cleanup its failed step left, which the caller applies under the lock; the first failure stops the
-    /// other threads at their next step.
-    fn wake_per_device(&self, inner: &Inner, targets: &[DevPtr]) -> Vec<DeviceWake> {
-        let mut devices: Vec<(i32, Vec<DevPtr>)> = Vec::new();
-        for &addr in targets {
-            let device = inner.reg.get(addr).expect("selected").device;
-            match devices.iter_mut().find(|(d, _)| *d == device) {
-                Some((_, addrs)) => addrs.push(addr),
-                None => devices.push((device, vec![addr])),
-            }
-        }
-        let stop = AtomicBool::new(false);
-        let barrier = Barrier::new(devices.len());
-        if let [(_, addrs)] = devices.as_slice() {
-            return vec![self.wake_device(inner, addrs, &stop, &barrier)];
-        }
-        std::thread::scope(|s| {
-            let workers: Vec<_> = devices
-                .iter()
-                .map(|(_, addrs)| s.spawn(|| self.wake_device(inner, addrs, &stop, &barrier)))
-                .collect();
-            workers
-                .into_iter()
-                .map(|w| {
-                    w.join()
-                        .unwrap_or_else(|_| DeviceWake::failed("a wake worker panicked"))
-                })
-                .collect()
-        })
-    }
-
-    /// One device's wake: map its backed-up allocations, wait until every device has, queue their copies on
-    /// its stream, then map the allocations without backup while those copies run. `targets` lists the
-    /// backed-up ones first. Nothing here waits for the copies; the caller does, once per device.
-    ///
-    /// The barrier keeps the devices in step: a map issued while another device's copies run was measured to
-    /// wait behind them (2 H200s: 0.87x of their aggregate copy bandwidth without the barrier).
-    fn wake_device(
-        &self,
-        inner: &Inner,
-        targets: &[DevPtr],
-        stop: &AtomicBool,
-        barrier: &Barrier,
-    ) -> DeviceWake {
-        let mut part = DeviceWake::default();
-        let backed = targets
-            .iter()
-            .filter(|a| Self::backup_of(inner, **a).is_some())
-            .count();
-        let map_all = |addrs: &[DevPtr], part: &mut DeviceWake| -> Result<()> {
-            for addr in addrs {
-                let handle = self.try_map(inner, *addr, stop, &mut part.undo)?;
-                part.mapped.push((*addr, handle));
-            }
-            Ok(())
-        };
-        // A panic here would leave the other devices waiting at the barrier forever: it becomes an error.
-        let mapped = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            map_all(&targets[..backed], &mut part)
-        }))
-        .unwrap_or_else(|p| {
-            Err(Error::InvalidState(format!(
-                "wake panicked: {}",
-                crate::panic_message(&*p)
-            )))
-        });
-        if mapped.is_err() {
-            stop.store(true, AtomicOrdering::Relaxed);
-        }
-        barrier.wait(); // every device passes it exactly once, failed or not
-        part.result = mapped.and_then(|()| {
-            if stop.load(AtomicOrdering::Relaxed) {
-                return Err(Error::InvalidState(STOPPED.into()));
-            }
-            for addr in &targets[..backed] {
-                let a = inner.reg.get(*addr).expect("selected");
-                let b = Self::backup_of(inner, *addr).expect("sorted first");
-                self.copy_back(a.device, a.addr, a.size, b)?;
-                part.copied_bytes += a.size;
-            }
-            let before = part.mapped.len();
-            let r = map_all(&targets[backed..], &mut part);
-            part.discarded_bytes += part.mapped[before..]
-                .iter()
-                .map(|(addr, _)| inner.reg.get(*addr).expect("selected").size)
-                .sum::<usize>();
-            r
-        });
-        if part.result.is_err() {
-            stop.store(true, AtomicOrdering::Relaxed);
-        }
-        part
-    }
-
-    /// create + map + set_access under one asleep allocation, without the lock held mutably: a failed step's
-    /// cleanup goes to `undo` for the caller. Gives up early when another device's wake has failed.
-    fn try_map(
-        &self,
-        inner: &Inner,
-        addr: DevPtr,
-        stop: &AtomicBool,
-        undo: &mut Vec<Undo>,
-    ) -> Result<PhysHandle> {
-        if stop.load(AtomicOrdering::Relaxed) {
-            return Err(Error::InvalidState(STOPPED.into()));
-        }
+    /// Map new physical memory under one asleep allocation's range.
+    fn map_at(&self, inner: &mut Inner, addr: DevPtr) -> Result<PhysHandle> {
         let a = inner.reg.get(addr).expect("selected");
-        self.create_and_map(a.device, addr, a.size)
-            .map_err(|(e, cleanup)| {
-                undo.extend(cleanup);
-                e
-            })
+        let (device, size) = (a.device, a.size);
+        self.map_new(inner, device, addr, size)
     }
 
     /// Queue the copy of one backup to its allocation, split at the arena's pinned pieces.
@@ -877,40 +733,17 @@ impl Engine {
         addr: DevPtr,
         size: usize,
     ) -> Result<PhysHandle> {
-        self.create_and_map(device, addr, size)
-            .map_err(|(e, cleanup)| {
-                if let Some(undo) = cleanup {
-                    self.undo(inner, undo);
-                }
-                e
-            })
-    }
-
-    /// create + map + set_access at `addr`; on failure, the error and the cleanup its earlier steps need.
-    fn create_and_map(
-        &self,
-        device: i32,
-        addr: DevPtr,
-        size: usize,
-    ) -> std::result::Result<PhysHandle, (Error, Option<Undo>)> {
-        let handle = self.driver.create(device, size).map_err(|e| (e, None))?;
+        let handle = self.driver.create(device, size)?;
         if let Err(e) = self.driver.map(addr, size, handle) {
-            return Err((e, Some(Undo::Release(handle))));
+            self.release_or_queue(inner, handle);
+            return Err(e);
         }
         if let Err(e) = self.driver.set_access(device, addr, size) {
-            return Err((e, Some(Undo::UnmapRelease(addr, size, handle))));
+            self.unmap_or_queue(inner, addr, size);
+            self.release_or_queue(inner, handle);
+            return Err(e);
         }
         Ok(handle)
-    }
-
-    fn undo(&self, inner: &mut Inner, undo: Undo) {
-        match undo {
-            Undo::Release(handle) => self.release_or_queue(inner, handle),
-            Undo::UnmapRelease(addr, size, handle) => {
-                self.unmap_or_queue(inner, addr, size);
-                self.release_or_queue(inner, handle);
-            }
-        }
     }
 
     /// unmap + release. A failed unmap changes nothing and is returned; a failed release is queued.
