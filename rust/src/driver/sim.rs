@@ -257,6 +257,34 @@ impl State {
         cursor >= end
     }
 
+    /// What both copy directions check, as CUDA would reject them: the device side (`role`: "source" or
+    /// "destination") is mapped and accessible, and the host side stays inside one registration.
+    fn check_copy(
+        &mut self,
+        op: Op,
+        device_side: DevPtr,
+        role: &str,
+        host: usize,
+        size: usize,
+    ) -> Result<()> {
+        self.enter(op)?;
+        if !self.accessible(device_side, size) {
+            return Err(Error::driver(
+                op.name(),
+                1,
+                format!("CUDA_ERROR_INVALID_VALUE ({role} not mapped)"),
+            ));
+        }
+        if !self.host_range_ok(host, size) {
+            return Err(Error::driver(
+                op.name(),
+                1,
+                "CUDA_ERROR_INVALID_VALUE (host range spans registrations)",
+            ));
+        }
+        Ok(())
+    }
+
     /// As on CUDA, the host side of a copy that starts in registered memory must stay inside that one
     /// registration (a copy spanning two registrations fails with CUDA_ERROR_INVALID_VALUE).
     fn host_range_ok(&self, ptr: usize, size: usize) -> bool {
@@ -578,21 +606,7 @@ impl Driver for SimDriver {
     fn copy_d2h(&self, device: i32, dst: HostPtr, src: DevPtr, size: usize) -> Result<()> {
         self.check_device(device)?;
         let mut st = self.state.lock();
-        st.enter(Op::CopyD2H)?;
-        if !st.accessible(src, size) {
-            return Err(Error::driver(
-                Op::CopyD2H.name(),
-                1,
-                "CUDA_ERROR_INVALID_VALUE (source not mapped)",
-            ));
-        }
-        if !st.host_range_ok(dst.0, size) {
-            return Err(Error::driver(
-                Op::CopyD2H.name(),
-                1,
-                "CUDA_ERROR_INVALID_VALUE (host range spans registrations)",
-            ));
-        }
+        st.check_copy(Op::CopyD2H, src, "source", dst.0, size)?;
         // SAFETY: the source is mapped read-write (checked under the lock, which unmap also takes); the destination
         // is a live host buffer of at least `size` bytes that the caller keeps alive (Driver contract).
         unsafe { std::ptr::copy_nonoverlapping(src as *const u8, dst.0 as *mut u8, size) };
@@ -602,21 +616,7 @@ impl Driver for SimDriver {
     fn copy_h2d(&self, device: i32, dst: DevPtr, src: HostPtr, size: usize) -> Result<()> {
         self.check_device(device)?;
         let mut st = self.state.lock();
-        st.enter(Op::CopyH2D)?;
-        if !st.accessible(dst, size) {
-            return Err(Error::driver(
-                Op::CopyH2D.name(),
-                1,
-                "CUDA_ERROR_INVALID_VALUE (destination not mapped)",
-            ));
-        }
-        if !st.host_range_ok(src.0, size) {
-            return Err(Error::driver(
-                Op::CopyH2D.name(),
-                1,
-                "CUDA_ERROR_INVALID_VALUE (host range spans registrations)",
-            ));
-        }
+        st.check_copy(Op::CopyH2D, dst, "destination", src.0, size)?;
         // SAFETY: as in copy_d2h, with the roles swapped.
         unsafe { std::ptr::copy_nonoverlapping(src.0 as *const u8, dst as *mut u8, size) };
         Ok(())
