@@ -35,7 +35,7 @@ SLACK = 32 * MiB
 CHUNK = 1 << 24  # int32 elements per checksum step: bounds the int64 temporaries to 128 MiB each
 
 
-from torch_support import _awake_between_tests, cumem, settle as _settle  # noqa: E402,F401
+from torch_support import _awake_between_tests, cumem, settle as _settle, sleep_and_wake  # noqa: E402,F401
 
 
 def _free_bytes() -> int:
@@ -171,12 +171,7 @@ def test_sleep_behind_queued_matmuls_keeps_the_final_result(cumem, layer, stream
         for _ in range(steps):
             w.addmm_(a, b)  # ~2 ms each in fp32 on an H200
     assert not s.query(), "the matmuls finished before sleep was called: the test would prove nothing"
-    if layer == "torch":
-        cumem.sleep(offload_tags="weights")
-        cumem.wake_up()
-    else:
-        cumem.native.sleep(["weights"])
-        cumem.native.wake_up(None)
+    sleep_and_wake(cumem, layer)
     torch.cuda.current_stream().wait_stream(s)
     assert w.data_ptr() == ptr
     assert torch.equal(w, ref), "the backup was taken before the queued matmuls finished"

@@ -30,7 +30,7 @@ pytestmark = pytest.mark.skipif(
 MiB = 1 << 20
 
 
-from torch_support import _awake_between_tests, cumem, settle as _settle  # noqa: E402,F401
+from torch_support import _awake_between_tests, cumem, settle as _settle, sleep_and_wake  # noqa: E402,F401
 
 
 def _record(cumem, tensor) -> Optional[dict]:
@@ -189,12 +189,7 @@ def test_sleep_right_after_queued_kernels_keeps_data(cumem, layer):
     for _ in range(10):
         acc.add_(1.0)
     # No synchronize here on purpose.
-    if layer == "torch":
-        cumem.sleep(offload_tags="weights")
-        cumem.wake_up()
-    else:
-        cumem.native.sleep(["weights"])
-        cumem.native.wake_up(None)
+    sleep_and_wake(cumem, layer)
     assert torch.all(acc == 10.0).item(), "the backup was taken before the queued kernels finished"
 
 

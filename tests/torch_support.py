@@ -15,6 +15,16 @@ def settle() -> None:
     torch.cuda.empty_cache()
 
 
+def sleep_and_wake(cumem, layer: str) -> None:
+    """One sleep (offloading "weights") and wake, through the torch layer or straight through the core."""
+    if layer == "torch":
+        cumem.sleep(offload_tags="weights")
+        cumem.wake_up()
+    else:
+        cumem.native.sleep(["weights"])
+        cumem.native.wake_up(None)
+
+
 @pytest.fixture(scope="module")
 def cumem():
     from cumem_rs import CuMemAllocator

@@ -105,8 +105,14 @@ class _Steps:
         self.rows.append([name, bench.fmt_bytes(nbytes), bench.fmt_seconds(seconds), gbps])
         bench.say(f"{name}: {bench.fmt_seconds(seconds)}")
 
-    def print(self, title: str) -> None:
+    def finish(self, title: str, errors: list, ok_line: str) -> int:
+        """Print the table, then the allocator's recorded errors (exit status 1) or `ok_line` (0)."""
         bench.print_table(title, ["step", "bytes", "time", "GB/s"], self.rows)
+        if errors:
+            print(f"allocator recorded errors: {errors}", file=sys.stderr)
+            return 1
+        print(ok_line)
+        return 0
 
 
 def _report(report: dict, *keys: str) -> Optional[int]:
@@ -174,12 +180,8 @@ def demo_sim(args: argparse.Namespace) -> int:
         errors = alloc.errors()
     finally:
         alloc.close()
-    steps.print(f"cumem_rs demo: simulated device, scale 1/{scale}")
-    if errors:
-        print(f"allocator recorded errors: {errors}", file=sys.stderr)
-        return 1
-    print(f"OK: {args.cycles} sleep/wake cycle(s), weights verified bit-identical at unchanged addresses")
-    return 0
+    return steps.finish(f"cumem_rs demo: simulated device, scale 1/{scale}", errors,
+                        f"OK: {args.cycles} sleep/wake cycle(s), weights verified bit-identical at unchanged addresses")
 
 
 def demo_cuda(args: argparse.Namespace) -> int:
@@ -231,12 +233,8 @@ def demo_cuda(args: argparse.Namespace) -> int:
         steps.add(f"verify #{c}: checksums and data_ptrs unchanged", checked, t)
     errors = core.errors()
     wl.release()
-    steps.print(f"cumem_rs demo: {torch.cuda.get_device_name(device)}, scale 1/{scale}")
-    if errors:
-        print(f"allocator recorded errors: {errors}", file=sys.stderr)
-        return 1
-    print(f"OK: {args.cycles} sleep/wake cycle(s), weights verified bit-identical at unchanged data_ptrs")
-    return 0
+    return steps.finish(f"cumem_rs demo: {torch.cuda.get_device_name(device)}, scale 1/{scale}", errors,
+                        f"OK: {args.cycles} sleep/wake cycle(s), weights verified bit-identical at unchanged data_ptrs")
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
