@@ -1,0 +1,448 @@
+//! Every allocation state transition: malloc, free, sleep, wake, discard, with their ordering and rollback.
+//!
+//! States: Awake{handle} --sleep/discard--> Asleep{backup?} --wake--> Awake{new handle}; free from either.
+//! Guarantees (each step below says how it keeps them):
+//! - a failed malloc leaves nothing behind;
+//! - a failed sleep leaves each allocation either awake with its data or asleep with a complete backup;
+//! - a failed wake releases what it mapped, keeps every backup and leaves its allocations asleep;
+//! - a driver release that fails after its unmap succeeded is queued in `pending` and retried by later calls, so
+//!   nothing leaks once the fault is gone.
+//!
+//! One mutex guards the registry: malloc/free issued while a sleep or wake runs wait until it has finished.
+
+mod release;
+mod sleep;
+mod types;
+mod wake;
+
+use std::collections::HashSet;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use parking_lot::Mutex;
+
+use crate::driver::{DevPtr, Driver, HostPtr, PhysHandle};
+use crate::error::{Error, Result};
+use crate::host::{HostBuffer, HostPool};
+use crate::registry::{self, Allocation, Registry, State};
+
+use release::Pending;
+pub use types::{AllocationInfo, Report, Stats};
+
+/// At most this many recorded errors are kept (oldest dropped first).
+const MAX_RECORDED_ERRORS: usize = 1000;
+
+/// Host arena cell pinned at a time during a cold sleep: large enough that per-call overheads vanish, small
+/// enough that the first copies start early.
+const PIN_CHUNK: usize = 512 << 20;
+
+static NEXT_ENGINE_ID: AtomicU64 = AtomicU64::new(1);
+
+struct Inner {
+    reg: Registry,
+    host: HostPool,
+    /// Host arenas that asleep allocations still point into.
+    arenas: Vec<Arc<HostBuffer>>,
+    pending: Vec<Pending>,
+    errors: Vec<String>,
+    stats: Stats,
+    closed: bool,
+    /// Cell size of pipelined pinning (PIN_CHUNK; smaller in tests to exercise cells that split allocations).
+    pin_chunk: usize,
+}
+
+pub struct Engine {
+    id: u64,
+    driver: Arc<dyn Driver>,
+    granularity: Vec<usize>,
+    inner: Mutex<Inner>,
+}
+
+fn tag_set<S: AsRef<str>>(tags: &[S]) -> HashSet<&str> {
+    tags.iter().map(AsRef::as_ref).collect()
+}
+
+impl Engine {
+    pub fn new(driver: Arc<dyn Driver>) -> Result<Engine> {
+        let devices = driver.device_count()?;
+        let granularity = (0..devices as i32)
+            .map(|d| driver.granularity(d))
+            .collect::<Result<Vec<_>>>()?;
+        let inner = Inner {
+            reg: Registry::default(),
+            host: HostPool::new(driver.clone()),
+            arenas: Vec::new(),
+            pending: Vec::new(),
+            errors: Vec::new(),
+            stats: Stats::default(),
+            closed: false,
+            pin_chunk: PIN_CHUNK,
+        };
+        Ok(Engine {
+            id: NEXT_ENGINE_ID.fetch_add(1, Ordering::Relaxed),
+            driver,
+            granularity,
+            inner: Mutex::new(inner),
+        })
+    }
+
+    /// Cell size of pipelined pinning during a cold sleep, rounded up to whole pages.
+    pub fn set_pin_chunk(&self, bytes: usize) {
+        let page = rustix::param::page_size();
+        self.inner.lock().pin_chunk = bytes.max(1).next_multiple_of(page);
+    }
+
+    pub fn id(&self) -> u64 {
+        self.id
+    }
+
+    pub fn driver(&self) -> &Arc<dyn Driver> {
+        &self.driver
+    }
+
+    pub fn device_count(&self) -> usize {
+        self.granularity.len()
+    }
+
+    pub fn granularity(&self, device: i32) -> Result<usize> {
+        usize::try_from(device)
+            .ok()
+            .and_then(|d| self.granularity.get(d).copied())
+            .ok_or_else(|| {
+                Error::invalid(format!(
+                    "device {device} does not exist ({} devices)",
+                    self.granularity.len()
+                ))
+            })
+    }
+
+    // ----- tags -------------------------------------------------------------------------------------------
+
+    pub fn push_tag(&self, tag: &str) -> Result<()> {
+        drop(self.lock_open()?);
+        if tag.is_empty() {
+            return Err(Error::invalid("tag must be a non-empty string"));
+        }
+        registry::push_tag(self.id, Arc::from(tag));
+        Ok(())
+    }
+
+    pub fn pop_tag(&self) -> Result<String> {
+        registry::pop_tag(self.id)
+            .map(|t| t.to_string())
+            .ok_or_else(|| {
+                Error::InvalidState("pop_tag without a matching push_tag on this thread".into())
+            })
+    }
+
+    pub fn current_tag(&self) -> String {
+        registry::current_tag(self.id).to_string()
+    }
+
+    // ----- malloc / free ----------------------------------------------------------------------------------
+
+    /// Allocate under this thread's current tag.
+    pub fn malloc(&self, size: usize, device: i32, stream: u64) -> Result<DevPtr> {
+        self.malloc_tagged(size, device, stream, registry::current_tag(self.id))
+    }
+
+    pub fn malloc_tagged(
+        &self,
+        size: usize,
+        device: i32,
+        stream: u64,
+        tag: Arc<str>,
+    ) -> Result<DevPtr> {
+        let gran = self.granularity(device)?;
+        if size == 0 {
+            return Err(Error::invalid("size must be positive"));
+        }
+        let rounded = size
+            .checked_next_multiple_of(gran)
+            .filter(|r| *r <= isize::MAX as usize)
+            .ok_or_else(|| Error::OutOfMemory {
+                what: format!("malloc of {size} bytes"),
+            })?;
+        let mut inner = self.lock_open()?;
+        self.retry_pending(&mut inner);
+        let addr = self.driver.reserve(device, rounded)?;
+        let handle = match self.map_new(&mut inner, device, addr, rounded) {
+            Ok(h) => h,
+            Err(e) => {
+                self.free_range_or_queue(&mut inner, addr, rounded);
+                return Err(e);
+            }
+        };
+        inner.reg.insert(Allocation {
+            addr,
+            size: rounded,
+            requested: size,
+            device,
+            tag,
+            stream,
+            state: State::Awake { handle },
+        });
+        inner.stats.mallocs += 1;
+        Self::note_peak(&mut inner);
+        Ok(addr)
+    }
+
+    /// Free a live allocation, awake or asleep. A release that fails after the unmap is queued and recorded, not
+    /// raised: the allocation is gone either way.
+    pub fn free(&self, addr: DevPtr) -> Result<()> {
+        let mut inner = self.lock_open()?;
+        self.retry_pending(&mut inner);
+        self.free_locked(&mut inner, addr)
+    }
+
+    fn free_locked(&self, inner: &mut Inner, addr: DevPtr) -> Result<()> {
+        let a = inner
+            .reg
+            .get(addr)
+            .ok_or(Error::UnknownAddress(addr))?
+            .clone();
+        if let State::Awake { handle } = a.state {
+            // The caller's work on this memory must be finished before it is unmapped (a no-op during capture).
+            self.driver.synchronize(a.device, a.stream)?;
+            self.unmap_release(inner, a.addr, a.size, handle)?;
+        }
+        inner.reg.remove(addr);
+        self.free_range_or_queue(inner, a.addr, a.size);
+        inner.stats.frees += 1;
+        drop(a); // its backup reference, if asleep
+        self.collect_unused_arenas(inner);
+        Ok(())
+    }
+
+    // ----- byte access (tests and tools) ------------------------------------------------------------------
+
+    pub fn read(&self, addr: DevPtr, len: usize) -> Result<Vec<u8>> {
+        let inner = self.lock_open()?;
+        let device = Self::awake_containing(&inner, addr, len)?;
+        let mut out = vec![0u8; len];
+        if len > 0 {
+            self.driver.synchronize(device, 0)?;
+            self.driver
+                .copy_d2h(device, HostPtr(out.as_mut_ptr() as usize), addr, len)?;
+            self.driver.wait(device)?;
+        }
+        Ok(out)
+    }
+
+    pub fn write(&self, addr: DevPtr, data: &[u8]) -> Result<()> {
+        let inner = self.lock_open()?;
+        let device = Self::awake_containing(&inner, addr, data.len())?;
+        if !data.is_empty() {
+            self.driver.synchronize(device, 0)?;
+            self.driver
+                .copy_h2d(device, addr, HostPtr(data.as_ptr() as usize), data.len())?;
+            self.driver.wait(device)?;
+        }
+        Ok(())
+    }
+
+    fn awake_containing(inner: &Inner, addr: DevPtr, len: usize) -> Result<i32> {
+        let a = inner.reg.containing(addr, len.max(1)).ok_or_else(|| {
+            Error::invalid(format!(
+                "[{addr:#x}, +{len}) is not inside one live allocation"
+            ))
+        })?;
+        if !a.is_awake() {
+            return Err(Error::InvalidState(format!(
+                "allocation {:#x} (tag {:?}) is asleep; wake it before reading or writing",
+                a.addr, a.tag
+            )));
+        }
+        Ok(a.device)
+    }
+
+    // ----- queries and host memory ------------------------------------------------------------------------
+
+    pub fn usage(&self, device: Option<i32>) -> Result<usize> {
+        Ok(self.lock_open()?.reg.mapped_bytes(device))
+    }
+
+    pub fn allocations(&self) -> Result<Vec<AllocationInfo>> {
+        let inner = self.lock_open()?;
+        Ok(inner
+            .reg
+            .iter()
+            .map(|a| AllocationInfo {
+                addr: a.addr,
+                size: a.size,
+                requested: a.requested,
+                device: a.device,
+                tag: a.tag.to_string(),
+                asleep: !a.is_awake(),
+                backed_up: matches!(a.state, State::Asleep { backup: Some(_) }),
+            })
+            .collect())
+    }
+
+    pub fn stats(&self) -> Stats {
+        let inner = self.inner.lock();
+        let mut s = inner.stats.clone();
+        s.live_allocations = inner.reg.len();
+        s.asleep_allocations = inner.reg.iter().filter(|a| !a.is_awake()).count();
+        s.mapped_bytes = inner.reg.mapped_bytes(None);
+        s.asleep_bytes = inner
+            .reg
+            .iter()
+            .filter(|a| !a.is_awake())
+            .map(|a| a.size)
+            .sum();
+        s.host_backup_bytes = inner.arenas.iter().map(|a| a.len()).sum();
+        s.host_cached_bytes = inner.host.cached_bytes();
+        s.pending_releases = inner.pending.len();
+        s
+    }
+
+    /// Host backup bytes held: arenas in use by asleep allocations plus cached ones.
+    pub fn host_bytes(&self) -> usize {
+        let inner = self.inner.lock();
+        inner.arenas.iter().map(|a| a.len()).sum::<usize>() + inner.host.cached_bytes()
+    }
+
+    pub fn set_keep_host_memory(&self, keep: bool) -> Result<()> {
+        let mut inner = self.lock_open()?;
+        inner.host.keep = keep;
+        if !keep {
+            inner.host.trim()?;
+        }
+        Ok(())
+    }
+
+    pub fn reserve_host(&self, len: usize) -> Result<()> {
+        if len == 0 {
+            return Err(Error::invalid(
+                "reserve_host needs a positive number of bytes",
+            ));
+        }
+        let mut inner = self.lock_open()?;
+        let r = inner.host.reserve(len);
+        self.record_host_fallbacks(&mut inner);
+        r
+    }
+
+    fn record_host_fallbacks(&self, inner: &mut Inner) {
+        for e in std::mem::take(&mut inner.host.fallbacks) {
+            Self::record(
+                inner,
+                "pinning host backup memory (served by the fallback allocation)",
+                &e,
+            );
+        }
+    }
+
+    pub fn trim_host(&self) -> Result<usize> {
+        let mut inner = self.inner.lock();
+        self.retry_pending(&mut inner);
+        inner.host.trim()
+    }
+
+    pub fn errors(&self) -> Vec<String> {
+        self.inner.lock().errors.clone()
+    }
+
+    /// Remember an error that could not be raised (a C-ABI free, a release after the point of no return).
+    pub fn record_error(&self, context: &str, e: &Error) {
+        Self::record(&mut self.inner.lock(), context, e);
+    }
+
+    pub fn is_closed(&self) -> bool {
+        self.inner.lock().closed
+    }
+
+    /// Free everything and return host memory. Later calls fail with `Error::Closed`. Idempotent.
+    pub fn close(&self) -> Result<()> {
+        let mut inner = self.inner.lock();
+        if inner.closed {
+            return Ok(());
+        }
+        self.retry_pending(&mut inner);
+        let mut first_err = None;
+        for addr in inner.reg.select(|_| true) {
+            if let Err(e) = self.free_locked(&mut inner, addr) {
+                first_err.get_or_insert(e);
+            }
+        }
+        if let Err(e) = inner.host.trim() {
+            first_err.get_or_insert(e);
+        }
+        if first_err.is_none() && !inner.pending.is_empty() {
+            first_err = Some(Error::InvalidState(format!(
+                "close could not finish: {} driver releases are still refused (queued; call close again)",
+                inner.pending.len()
+            )));
+        }
+        if first_err.is_none() {
+            inner.closed = true;
+        }
+        first_err.map_or(Ok(()), Err)
+    }
+
+    // ----- building blocks --------------------------------------------------------------------------------
+
+    fn lock_open(&self) -> Result<parking_lot::MutexGuard<'_, Inner>> {
+        let inner = self.inner.lock();
+        if inner.closed {
+            return Err(Error::Closed);
+        }
+        Ok(inner)
+    }
+
+    fn record(inner: &mut Inner, context: &str, e: &Error) {
+        if inner.errors.len() >= MAX_RECORDED_ERRORS {
+            inner.errors.remove(0);
+        }
+        log::warn!("{context}: {e}");
+        inner.errors.push(format!("{context}: {e}"));
+        inner.stats.recorded_errors += 1;
+    }
+
+    fn note_peak(inner: &mut Inner) {
+        let mapped = inner.reg.mapped_bytes(None);
+        inner.stats.peak_mapped_bytes = inner.stats.peak_mapped_bytes.max(mapped);
+    }
+
+    /// create + map + set_access at `addr`, undoing its own steps on failure.
+    fn map_new(
+        &self,
+        inner: &mut Inner,
+        device: i32,
+        addr: DevPtr,
+        size: usize,
+    ) -> Result<PhysHandle> {
+        let handle = self.driver.create(device, size)?;
+        if let Err(e) = self.driver.map(addr, size, handle) {
+            self.release_or_queue(inner, handle);
+            return Err(e);
+        }
+        if let Err(e) = self.driver.set_access(device, addr, size) {
+            self.unmap_or_queue(inner, addr, size);
+            self.release_or_queue(inner, handle);
+            return Err(e);
+        }
+        Ok(handle)
+    }
+
+    /// unmap + release. A failed unmap changes nothing and is returned; a failed release is queued.
+    fn unmap_release(
+        &self,
+        inner: &mut Inner,
+        addr: DevPtr,
+        size: usize,
+        handle: PhysHandle,
+    ) -> Result<()> {
+        self.driver.unmap(addr, size)?;
+        self.release_or_queue(inner, handle);
+        Ok(())
+    }
+}
+
+impl Drop for Engine {
+    fn drop(&mut self) {
+        // Nobody is left to report to; whatever could not be released is the driver's (or the OS's) at exit.
+        let _ = self.close();
+    }
+}

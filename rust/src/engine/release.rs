@@ -1,0 +1,115 @@
+//! Releases after the point of no return: failed unmaps, releases and address frees are queued and retried by
+//! later calls, so nothing leaks once the driver recovers. Also the per-device synchronize/wait helpers and the
+//! return of host arenas nothing points into any more.
+
+use std::sync::Arc;
+
+use super::{Engine, Inner};
+use crate::driver::{DevPtr, PhysHandle};
+use crate::error::Result;
+
+/// A driver release that failed after the point of no return, retried by later calls.
+#[derive(Debug, Clone, Copy)]
+pub(super) enum Pending {
+    Unmap { addr: DevPtr, size: usize },
+    Release(PhysHandle),
+    FreeRange { addr: DevPtr, size: usize },
+}
+
+impl Engine {
+    pub(super) fn unmap_or_queue(&self, inner: &mut Inner, addr: DevPtr, size: usize) {
+        if let Err(e) = self.driver.unmap(addr, size) {
+            Self::record(inner, &format!("unmap {addr:#x} (queued for retry)"), &e);
+            inner.pending.push(Pending::Unmap { addr, size });
+        }
+    }
+
+    pub(super) fn release_or_queue(&self, inner: &mut Inner, handle: PhysHandle) {
+        if let Err(e) = self.driver.release(handle) {
+            Self::record(inner, "release of a physical handle (queued for retry)", &e);
+            inner.pending.push(Pending::Release(handle));
+        }
+    }
+
+    pub(super) fn free_range_or_queue(&self, inner: &mut Inner, addr: DevPtr, size: usize) {
+        if let Err(e) = self.driver.free_range(addr, size) {
+            Self::record(
+                inner,
+                &format!("address free {addr:#x} (queued for retry)"),
+                &e,
+            );
+            inner.pending.push(Pending::FreeRange { addr, size });
+        }
+    }
+
+    /// Retry queued releases in order (unmaps before releases before address frees); keep those that fail again.
+    pub(super) fn retry_pending(&self, inner: &mut Inner) {
+        if inner.pending.is_empty() {
+            return;
+        }
+        let mut queued = std::mem::take(&mut inner.pending);
+        queued.sort_by_key(|p| match p {
+            Pending::Unmap { .. } => 0,
+            Pending::Release(_) => 1,
+            Pending::FreeRange { .. } => 2,
+        });
+        for p in queued {
+            let r = match p {
+                Pending::Unmap { addr, size } => self.driver.unmap(addr, size),
+                Pending::Release(h) => self.driver.release(h),
+                Pending::FreeRange { addr, size } => self.driver.free_range(addr, size),
+            };
+            if r.is_err() {
+                inner.pending.push(p);
+            }
+        }
+    }
+
+    /// Finish all work that may touch the memory of these allocations' devices.
+    pub(super) fn synchronize_devices(&self, inner: &Inner, addrs: &[DevPtr]) -> Result<()> {
+        for device in Self::devices_of(inner, addrs) {
+            self.driver.synchronize(device, 0)?;
+        }
+        Ok(())
+    }
+
+    pub(super) fn devices_of(inner: &Inner, addrs: &[DevPtr]) -> Vec<i32> {
+        let mut devices: Vec<i32> = addrs
+            .iter()
+            .map(|a| inner.reg.get(*a).expect("selected").device)
+            .collect();
+        devices.sort_unstable();
+        devices.dedup();
+        devices
+    }
+
+    pub(super) fn wait_devices(
+        &self,
+        inner: &Inner,
+        addrs: &[DevPtr],
+        mut result: Result<()>,
+    ) -> Result<()> {
+        for device in Self::devices_of(inner, addrs) {
+            if let Err(e) = self.driver.wait(device) {
+                if result.is_ok() {
+                    result = Err(e);
+                }
+            }
+        }
+        result
+    }
+
+    /// Arenas no asleep allocation points into any more go back to the host pool.
+    pub(super) fn collect_unused_arenas(&self, inner: &mut Inner) {
+        for arena in std::mem::take(&mut inner.arenas) {
+            match Arc::try_unwrap(arena) {
+                Ok(buf) => {
+                    if let Err(e) = inner.host.give_back(buf) {
+                        Self::record(inner, "returning host backup memory", &e);
+                    }
+                }
+                Err(still_used) => inner.arenas.push(still_used),
+            }
+        }
+    }
+}

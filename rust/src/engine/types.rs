@@ -1,0 +1,45 @@
+//! What the engine reports to callers: per-call reports, allocation listings, statistics.
+
+use crate::driver::DevPtr;
+
+/// What one sleep, wake or discard did.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Report {
+    pub allocations: usize,
+    /// Bytes copied to host (sleep) or back to the device (wake).
+    pub copied_bytes: usize,
+    /// Bytes released without backup (sleep, discard) or woken without contents (wake).
+    pub discarded_bytes: usize,
+    pub seconds: f64,
+}
+
+/// One live allocation as seen from outside.
+#[derive(Debug, Clone, PartialEq)]
+pub struct AllocationInfo {
+    pub addr: DevPtr,
+    pub size: usize,
+    pub requested: usize,
+    pub device: i32,
+    pub tag: String,
+    pub asleep: bool,
+    pub backed_up: bool,
+}
+
+#[derive(Debug, Clone, Default)]
+pub struct Stats {
+    pub live_allocations: usize,
+    pub asleep_allocations: usize,
+    pub mapped_bytes: usize,
+    pub asleep_bytes: usize,
+    pub peak_mapped_bytes: usize,
+    pub host_backup_bytes: usize,
+    pub host_cached_bytes: usize,
+    pub mallocs: u64,
+    pub frees: u64,
+    pub sleeps: u64,
+    pub wakes: u64,
+    pub recorded_errors: u64,
+    pub pending_releases: usize,
+    pub last_sleep: Option<Report>,
+    pub last_wake: Option<Report>,
+}
