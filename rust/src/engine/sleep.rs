@@ -29,10 +29,13 @@ impl Engine {
             return Ok(Report::default());
         }
         self.synchronize_devices(&inner, &targets)?;
-        let (backed, bare): (Vec<DevPtr>, Vec<DevPtr>) = targets
+        let (mut backed, bare): (Vec<DevPtr>, Vec<DevPtr>) = targets
             .iter()
             .partition(|a| offload.contains(&*inner.reg.get(**a).expect("selected").tag));
         let mut report = Report::default();
+        // Not offloaded this time: a retained backup of these would go stale.
+        Self::drop_retained(&mut inner, &bare);
+        let retained = Self::split_retained(&inner, &mut backed);
 
         // 1. Queue the backup copies.
         let (jobs, total) = transfer::layout(backed.iter().map(|a| {
@@ -76,11 +79,21 @@ impl Engine {
             arena = Some(buf);
         }
 
+        // 1b. Fingerprint the allocations with a retained backup (behind those copies).
+        let mut retained = self.begin_retained_sleep(&mut inner, retained);
+
         // 2. While the copies run, release what needs no backup.
         for addr in bare {
             if let Err(e) = self.release_to_sleep(&mut inner, addr, None, &mut report) {
                 first_err.get_or_insert(e);
             }
+        }
+
+        // 2b. Compare the fingerprints; queue the copies of changed chunks into the retained backups.
+        let changed_queued = self.issue_changed_chunks(&mut inner, &mut retained, &mut report);
+        let changed_ok = changed_queued.is_ok();
+        if let Err(e) = changed_queued {
+            first_err.get_or_insert(e);
         }
 
         // 3. As cells finish, release the allocations whose backup is complete. `missing` counts each job's
@@ -115,6 +128,14 @@ impl Engine {
                 }
             }
         }
+        // 4. Once their changed chunks are on the host, release the allocations with a retained backup.
+        self.finish_retained_sleep(
+            &mut inner,
+            retained,
+            changed_ok,
+            &mut report,
+            &mut first_err,
+        );
         drop(arena);
         self.collect_unused_arenas(&mut inner);
         report.seconds = start.elapsed().as_secs_f64();
@@ -175,6 +196,7 @@ impl Engine {
             match self.unmap_release(&mut inner, a.addr, a.size, handle) {
                 Ok(()) => {
                     inner.reg.set_state(addr, State::Asleep { backup: None });
+                    Self::drop_retained(&mut inner, &[addr]);
                     report.allocations += 1;
                     report.discarded_bytes += a.size;
                 }
@@ -183,6 +205,7 @@ impl Engine {
                 }
             }
         }
+        self.collect_unused_arenas(&mut inner);
         report.seconds = start.elapsed().as_secs_f64();
         first_err.map_or(Ok(report), Err)
     }
