@@ -29,7 +29,7 @@ use crate::host::{HostBuffer, HostPool};
 use crate::registry::{self, Allocation, Registry, State};
 
 use release::Pending;
-use retain::Retained;
+use retain::Prints;
 pub use types::{AllocationInfo, Report, Stats};
 
 /// At most this many recorded errors are kept (oldest dropped first).
@@ -53,7 +53,9 @@ struct Inner {
     /// Cell size of pipelined pinning (PIN_CHUNK; smaller in tests to exercise cells that split allocations).
     pin_chunk: usize,
     /// Backups kept bound to awake allocations after the wake that restored them (see `retain.rs`).
-    retained: HashMap<DevPtr, Retained>,
+    retained: HashMap<DevPtr, registry::Backup>,
+    /// Chunk fingerprints of backups (of asleep allocations, and of retained ones).
+    prints: HashMap<DevPtr, Prints>,
     /// Policy: keep backups across wake (`set_retain_backups`, env CUMEM_RS_RETAIN_BACKUPS=0 turns it off).
     retain: bool,
     /// Set when the fingerprint kernel cannot run here: retention stays off.
@@ -89,6 +91,7 @@ impl Engine {
             closed: false,
             pin_chunk: PIN_CHUNK,
             retained: HashMap::new(),
+            prints: HashMap::new(),
             retain: std::env::var("CUMEM_RS_RETAIN_BACKUPS").map_or(true, |v| v != "0"),
             fingerprints_unavailable: false,
             fingerprint_chunk: fingerprint::DEFAULT_CHUNK,

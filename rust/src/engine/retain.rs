@@ -1,11 +1,17 @@
-//! Retained backups: a backup that a wake restored from stays bound to its allocation, with a fingerprint of
-//! every chunk taken on the device right after the restore. The next sleep fingerprints the chunks again and
-//! copies only those that changed into their place in the retained backup; unchanged chunks are not copied.
+//! Retained backups: a backup that a wake restored from stays bound to its allocation, so that the next sleep
+//! copies only the chunks that changed since.
+//!
+//! What changed is told by 128-bit fingerprints of fixed chunks, computed on the device at every sleep, in one
+//! kernel pass over the offloaded allocations queued ahead of their copies. The prints taken at a sleep describe
+//! the backup it made, hence the device contents right after the wake that restores it; the next sleep compares
+//! its own prints with them. (Fingerprinting at wake instead, behind the restore copies, was measured to hold up
+//! the wake by ~145 ms on an H200 with 48 GiB mapped under the copies: a kernel in flight serializes with maps.)
 //!
 //! Safety rules (stale data is never an outcome):
-//! - a retained backup is dropped by free, discard, a sleep that does not offload its tag, trim_host,
-//!   set_keep_host_memory(False), set_retain_backups(False) and a change of chunk size;
-//! - any failure in this path (a fingerprint that cannot be queued or read) counts every chunk as changed;
+//! - prints and retained backups are dropped by free, discard, a sleep that does not offload the tag, a wake
+//!   without retention, trim_host, set_keep_host_memory(False), set_retain_backups(False), a chunk size change;
+//! - any failure in this path (prints that cannot be queued or read) counts every chunk as changed, and an
+//!   allocation whose new prints are missing keeps none;
 //! - a sleep that fails leaves the allocation awake and drops its retained backup, whose host bytes may be half
 //!   overwritten; copies into it are always waited for before that.
 
@@ -16,86 +22,65 @@ use super::{Engine, Inner, Report};
 use crate::driver::DevPtr;
 use crate::error::{Error, Result};
 use crate::fingerprint::{self, Fingerprint};
-use crate::registry::Backup;
+use crate::registry::{Backup, State};
 
-/// A backup kept bound to an awake allocation, and the fingerprints of its chunks as the wake left them.
-pub(super) struct Retained {
-    pub backup: Backup,
+/// The fingerprints of an allocation's chunks, as its backup holds them.
+pub(super) struct Prints {
     pub chunk: usize,
-    pub fingerprints: Vec<Fingerprint>,
+    pub prints: Vec<Fingerprint>,
 }
 
 /// Per device: the allocations of one fingerprint batch, in batch order.
-pub(super) type Batches = HashMap<i32, Vec<DevPtr>>;
+type Batches = HashMap<i32, Vec<DevPtr>>;
 
-/// The retained-backup part of one sleep, in three steps: `begin` (queue fingerprints), `issue_changed` (compare,
-/// queue the copies of changed chunks), `finish` (wait, release).
-pub(super) struct RetainedSleep {
+/// The fingerprint part of one sleep, in three steps: `begin_sleep_prints` (queue), `issue_changed_chunks`
+/// (compare, queue the copies of changed chunks), `finish_sleep_prints` (wait, release, keep the new prints).
+pub(super) struct SleepPrints {
     batches: Batches,
-    /// Device -> marker after its fingerprint batch, then after its changed-chunk copies (None: no marker could
-    /// be recorded, wait for the whole stream).
+    /// Markers after the fingerprint batches, then after the changed-chunk copies (None: no marker could be
+    /// recorded, wait for the whole stream instead).
     markers: Vec<(i32, Option<u64>)>,
-    /// Allocations whose changed chunks are queued, with their backup.
+    /// Offloaded allocations with a retained backup.
+    retained: Vec<DevPtr>,
+    /// Every offloaded allocation of this sleep.
+    backed: Vec<DevPtr>,
+    /// Retained allocations whose changed chunks are queued, with their backup.
     queued: Vec<(DevPtr, Backup)>,
-    /// Allocations of this sleep with a retained backup (all of them, whatever happens).
-    all: Vec<DevPtr>,
-    started: Instant,
+    /// The prints taken now, per allocation.
+    now: HashMap<DevPtr, Vec<Fingerprint>>,
+    queue_seconds: f64,
 }
 
 impl Engine {
-    /// Whether wakes keep backups now: the policy, kept host memory, and a kernel that loads.
+    /// Whether sleeps take prints and wakes keep backups: the policy, kept host memory, a kernel that loads.
     pub(super) fn retaining(inner: &Inner) -> bool {
         inner.retain && inner.host.keep && !inner.fingerprints_unavailable
     }
 
-    /// Drop the retained backups of `addrs` (the arenas go back to the host pool at the next collection).
+    /// Forget the prints and retained backups of `addrs`.
     pub(super) fn drop_retained(inner: &mut Inner, addrs: &[DevPtr]) {
-        if inner.retained.is_empty() {
+        if inner.prints.is_empty() && inner.retained.is_empty() {
             return;
         }
         for a in addrs {
+            inner.prints.remove(a);
             inner.retained.remove(a);
         }
     }
 
-    /// Drop every retained backup and give the arenas nothing points into back.
+    /// Forget every print and retained backup; arenas nothing points into go back to the host pool.
     pub(super) fn drop_all_retained(&self, inner: &mut Inner) {
+        inner.prints.clear();
         inner.retained.clear();
         self.collect_unused_arenas(inner);
-    }
-
-    /// Queue one fingerprint batch per device over the chunks of `addrs` (awake, mapped), behind the copies
-    /// already queued. Devices whose batch could not be queued are left out (and the failure recorded).
-    fn queue_fingerprint_batches(&self, inner: &mut Inner, addrs: &[DevPtr]) -> Batches {
-        let chunk = inner.fingerprint_chunk;
-        let mut per_device: Batches = HashMap::new();
-        for &a in addrs {
-            let dev = inner.reg.get(a).expect("selected").device;
-            per_device.entry(dev).or_default().push(a);
-        }
-        let mut batches = HashMap::new();
-        for (dev, allocs) in per_device {
-            let ranges: Vec<(DevPtr, usize)> = allocs
-                .iter()
-                .flat_map(|&a| {
-                    let size = inner.reg.get(a).expect("selected").size;
-                    fingerprint::chunks(size, chunk).map(move |(off, len)| (a + off as u64, len))
-                })
-                .collect();
-            match self.driver.queue_fingerprints(dev, &ranges) {
-                Ok(()) => {
-                    batches.insert(dev, allocs);
-                }
-                Err(e) => self.fingerprints_failed(inner, &e),
-            }
-        }
-        batches
     }
 
     /// A fingerprint failure: recorded; a kernel that does not load turns retention off for good (one warning).
     fn fingerprints_failed(&self, inner: &mut Inner, e: &Error) {
         let unloadable = matches!(e, Error::Driver { op, .. } if op.starts_with("cuModule"));
         if unloadable {
+            // Retained backups already in use stay valid: their chunks now count as changed, and the next wake
+            // binds none.
             inner.fingerprints_unavailable = true;
             Self::record(
                 inner,
@@ -107,173 +92,155 @@ impl Engine {
         }
     }
 
-    /// Read the batches back (their streams have passed them) and split per allocation.
-    fn take_fingerprint_batches(
-        &self,
-        inner: &mut Inner,
-        batches: &Batches,
-    ) -> HashMap<DevPtr, Vec<Fingerprint>> {
-        let chunk = inner.fingerprint_chunk;
-        let mut out = HashMap::new();
-        for (&dev, allocs) in batches {
-            match self.driver.take_fingerprints(dev) {
-                Ok(fps) => {
-                    let mut rest = fps.as_slice();
-                    for &a in allocs {
-                        let n = inner.reg.get(a).expect("selected").size.div_ceil(chunk);
-                        if rest.len() < n {
-                            break;
-                        }
-                        out.insert(a, rest[..n].to_vec());
-                        rest = &rest[n..];
-                    }
-                }
-                Err(e) => self.fingerprints_failed(inner, &e),
-            }
-        }
-        out
-    }
-
-    /// Forget batches whose results are not wanted (after a failure); the streams were waited for.
-    fn forget_fingerprint_batches(&self, batches: &Batches) {
-        for &dev in batches.keys() {
-            let _ = self.driver.take_fingerprints(dev);
-        }
-    }
-
     // ----- wake --------------------------------------------------------------------------------------------
 
-    /// Wake, after queueing the restore copies of `restored`: queue their fingerprints behind the copies.
-    pub(super) fn queue_wake_fingerprints(
-        &self,
-        inner: &mut Inner,
-        restored: &[DevPtr],
-    ) -> Batches {
-        if !Self::retaining(inner) || restored.is_empty() {
-            return Batches::new();
-        }
-        self.queue_fingerprint_batches(inner, restored)
-    }
-
-    /// Wake succeeded (streams waited for): bind each restored allocation's backup to it with its fingerprints.
-    /// `backups` are the backups the wake restored from.
-    pub(super) fn keep_restored_backups(
-        &self,
-        inner: &mut Inner,
-        batches: Batches,
-        backups: HashMap<DevPtr, Backup>,
-    ) {
-        let chunk = inner.fingerprint_chunk;
-        let mut fps = self.take_fingerprint_batches(inner, &batches);
-        for (addr, backup) in backups {
-            if let Some(fingerprints) = fps.remove(&addr) {
-                inner.retained.insert(
-                    addr,
-                    Retained {
-                        backup,
-                        chunk,
-                        fingerprints,
-                    },
-                );
+    /// Wake succeeded: bind each restored allocation's backup to it when its prints describe that backup;
+    /// otherwise forget the prints. `restored` are the backups the wake restored from.
+    pub(super) fn keep_restored_backups(&self, inner: &mut Inner, restored: Vec<(DevPtr, Backup)>) {
+        let keep = Self::retaining(inner);
+        for (addr, backup) in restored {
+            if keep
+                && inner
+                    .prints
+                    .get(&addr)
+                    .is_some_and(|p| p.chunk == inner.fingerprint_chunk)
+            {
+                inner.retained.insert(addr, backup);
+            } else {
+                inner.prints.remove(&addr);
             }
         }
-    }
-
-    /// Wake failed: the batches' results are useless.
-    pub(super) fn abandon_wake_fingerprints(&self, batches: &Batches) {
-        self.forget_fingerprint_batches(batches);
     }
 
     // ----- sleep -------------------------------------------------------------------------------------------
 
-    /// Sleep, before its copies: move the offloaded allocations that have a retained backup out of `backed`.
+    /// Sleep, before anything is queued: split the offloaded allocations into those with a retained backup
+    /// (returned; their changed chunks go into it) and the others (left in `backed`).
     pub(super) fn split_retained(inner: &Inner, backed: &mut Vec<DevPtr>) -> Vec<DevPtr> {
         let chunk = inner.fingerprint_chunk;
-        let (retained, fresh): (Vec<DevPtr>, Vec<DevPtr>) = backed
-            .iter()
-            .partition(|a| inner.retained.get(a).is_some_and(|r| r.chunk == chunk));
+        let (retained, fresh): (Vec<DevPtr>, Vec<DevPtr>) = backed.iter().partition(|a| {
+            inner.retained.contains_key(a) && inner.prints.get(a).is_some_and(|p| p.chunk == chunk)
+        });
         *backed = fresh;
         retained
     }
 
-    /// Sleep, step 1 (after the other backups' copies are queued): queue the fingerprints of `all` (from
-    /// `split_retained`) with a marker behind each device's batch.
-    pub(super) fn begin_retained_sleep(
+    /// Sleep, first on the copy streams: queue the prints of every offloaded allocation (`retained` and
+    /// `fresh`), one batch and a marker per device. Nothing is queued when retention is off.
+    pub(super) fn begin_sleep_prints(
         &self,
         inner: &mut Inner,
-        all: Vec<DevPtr>,
-    ) -> RetainedSleep {
+        retained: Vec<DevPtr>,
+        fresh: &[DevPtr],
+    ) -> SleepPrints {
         let started = Instant::now();
-        let batches = if all.is_empty() {
-            Batches::new()
-        } else {
-            self.queue_fingerprint_batches(inner, &all)
+        let mut sp = SleepPrints {
+            batches: Batches::new(),
+            markers: Vec::new(),
+            backed: retained.iter().chain(fresh).copied().collect(),
+            retained,
+            queued: Vec::new(),
+            now: HashMap::new(),
+            queue_seconds: 0.0,
         };
-        let mut markers = Vec::new();
-        for &dev in batches.keys() {
+        if !Self::retaining(inner) {
+            return sp;
+        }
+        let chunk = inner.fingerprint_chunk;
+        let mut per_device: Batches = HashMap::new();
+        for &a in &sp.backed {
+            let dev = inner.reg.get(a).expect("selected").device;
+            per_device.entry(dev).or_default().push(a);
+        }
+        for (dev, allocs) in per_device {
+            let ranges: Vec<(DevPtr, usize)> = allocs
+                .iter()
+                .flat_map(|&a| {
+                    let size = inner.reg.get(a).expect("selected").size;
+                    fingerprint::chunks(size, chunk).map(move |(off, len)| (a + off as u64, len))
+                })
+                .collect();
+            if let Err(e) = self.driver.queue_fingerprints(dev, &ranges) {
+                self.fingerprints_failed(inner, &e);
+                continue;
+            }
+            sp.batches.insert(dev, allocs);
             match self.driver.record_marker(dev) {
-                Ok(m) => markers.push((dev, Some(m))),
+                Ok(m) => sp.markers.push((dev, Some(m))),
                 Err(e) => {
                     Self::record(
                         inner,
                         "marker after fingerprints (waiting for the stream instead)",
                         &e,
                     );
-                    markers.push((dev, None));
+                    sp.markers.push((dev, None));
                 }
             }
         }
-        RetainedSleep {
-            batches,
-            markers,
-            queued: Vec::new(),
-            all,
-            started,
-        }
+        sp.queue_seconds = started.elapsed().as_secs_f64();
+        sp
     }
 
-    /// Sleep, step 2: wait for the fingerprints, then queue the copies of changed chunks (all chunks of an
-    /// allocation whose fingerprints are missing) into the retained backups, with a marker per device.
+    /// Sleep, once the other backups' copies are queued: wait for the prints, then queue the copies of the
+    /// changed chunks of retained allocations (all chunks where prints are missing) into their backups, with a
+    /// marker per device.
     pub(super) fn issue_changed_chunks(
         &self,
         inner: &mut Inner,
-        rs: &mut RetainedSleep,
+        sp: &mut SleepPrints,
         report: &mut Report,
     ) -> Result<()> {
-        if rs.all.is_empty() {
-            return Ok(());
-        }
+        let started = Instant::now();
         let mut stream_ok = true;
-        for (dev, m) in std::mem::take(&mut rs.markers) {
+        for (dev, m) in std::mem::take(&mut sp.markers) {
             if let Err(e) = self.wait_marker_or_stream(dev, m) {
                 stream_ok = false;
                 Self::record(inner, "waiting for fingerprints", &e);
             }
         }
-        let batches = std::mem::take(&mut rs.batches);
-        let mut now = if stream_ok {
-            self.take_fingerprint_batches(inner, &batches)
-        } else {
-            self.forget_fingerprint_batches(&batches);
-            HashMap::new()
-        };
-        report.fingerprint_seconds = rs.started.elapsed().as_secs_f64();
+        for (dev, allocs) in std::mem::take(&mut sp.batches) {
+            match self.driver.take_fingerprints(dev) {
+                Ok(fps) if stream_ok => {
+                    let mut rest = fps.as_slice();
+                    for a in allocs {
+                        let n = inner
+                            .reg
+                            .get(a)
+                            .expect("selected")
+                            .size
+                            .div_ceil(inner.fingerprint_chunk);
+                        let Some((mine, tail)) = rest.split_at_checked(n) else {
+                            break;
+                        };
+                        sp.now.insert(a, mine.to_vec());
+                        rest = tail;
+                    }
+                }
+                Ok(_) => {}
+                Err(e) => self.fingerprints_failed(inner, &e),
+            }
+        }
         let mut devices = Vec::new();
         let mut result = Ok(());
-        for &addr in &rs.all {
+        for &addr in &sp.retained {
             let a = inner.reg.get(addr).expect("selected");
             let (device, size) = (a.device, a.size);
-            let r = inner.retained.get(&addr).expect("partitioned on it");
-            let before = &r.fingerprints;
-            let after = now.remove(&addr);
-            let backup = r.backup.clone();
-            for (i, (off, len)) in fingerprint::chunks(size, r.chunk).enumerate() {
+            let backup = inner.retained.get(&addr).expect("split on it").clone();
+            let before = &inner.prints.get(&addr).expect("split on it").prints;
+            let after = sp.now.get(&addr);
+            // Runs of changed chunks, each copied with as few calls as the arena's pinned pieces allow.
+            let mut runs: Vec<(usize, usize)> = Vec::new();
+            for (i, (off, len)) in fingerprint::chunks(size, inner.fingerprint_chunk).enumerate() {
                 report.chunks_checked += 1;
-                let unchanged = after.as_ref().is_some_and(|f| f.get(i) == before.get(i));
-                if unchanged {
+                if after.is_some_and(|f| f.get(i) == before.get(i)) {
                     report.skipped_bytes += len;
-                    continue;
+                } else if let Some(run) = runs.last_mut().filter(|r| r.0 + r.1 == off) {
+                    run.1 += len;
+                } else {
+                    runs.push((off, len));
                 }
+            }
+            for (off, len) in runs {
                 if let Err(e) = self.copy_out_to(device, addr + off as u64, &backup, off, len) {
                     result = Err(e);
                     break;
@@ -283,18 +250,18 @@ impl Engine {
             if !devices.contains(&device) {
                 devices.push(device);
             }
-            rs.queued.push((addr, backup));
+            sp.queued.push((addr, backup));
             if result.is_err() {
                 break;
             }
         }
+        report.fingerprint_seconds = sp.queue_seconds + started.elapsed().as_secs_f64();
         for dev in devices {
             match self.driver.record_marker(dev) {
-                Ok(m) => rs.markers.push((dev, Some(m))),
+                Ok(m) => sp.markers.push((dev, Some(m))),
                 Err(e) => {
-                    // No marker: `finish` waits for the whole stream of this device instead.
                     result = result.and(Err(e));
-                    rs.markers.push((dev, None));
+                    sp.markers.push((dev, None));
                 }
             }
         }
@@ -326,31 +293,43 @@ impl Engine {
         Ok(())
     }
 
-    /// Sleep, last step: wait for the changed-chunk copies (always, failure or not), then release the
-    /// allocations whose backup is complete. Those not released stay awake and lose their retained backup.
-    pub(super) fn finish_retained_sleep(
+    /// Sleep, last step (after the other backups were released): wait for the changed-chunk copies (always,
+    /// failure or not), release the retained allocations whose backup is complete (`copies_ok`: everything was
+    /// queued), then keep the new prints of every allocation now asleep with a backup. Retained allocations not
+    /// released stay awake and lose their retained backup.
+    pub(super) fn finish_sleep_prints(
         &self,
         inner: &mut Inner,
-        rs: RetainedSleep,
+        sp: SleepPrints,
         copies_ok: bool,
         report: &mut Report,
         first_err: &mut Option<Error>,
     ) {
         let mut ok = copies_ok;
-        for (dev, m) in rs.markers {
+        for (dev, m) in sp.markers {
             if let Err(e) = self.wait_marker_or_stream(dev, m) {
                 ok = false;
                 first_err.get_or_insert(e);
             }
         }
         if ok {
-            for (addr, backup) in rs.queued {
+            for (addr, backup) in sp.queued {
                 if let Err(e) = self.release_to_sleep(inner, addr, Some(backup), report) {
                     first_err.get_or_insert(e);
                 }
             }
         }
-        // Released ones now hold their backup in their asleep state; the rest stay awake without one.
-        Self::drop_retained(inner, &rs.all);
+        Self::drop_retained(inner, &sp.backed);
+        let mut now = sp.now;
+        let chunk = inner.fingerprint_chunk;
+        for addr in sp.backed {
+            let asleep_with_backup = matches!(
+                inner.reg.get(addr).map(|a| &a.state),
+                Some(State::Asleep { backup: Some(_) })
+            );
+            if let (true, Some(prints)) = (asleep_with_backup, now.remove(&addr)) {
+                inner.prints.insert(addr, Prints { chunk, prints });
+            }
+        }
     }
 }

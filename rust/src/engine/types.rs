@@ -14,7 +14,8 @@ pub struct Report {
     pub skipped_bytes: usize,
     /// Sleep: chunks of retained backups whose fingerprints were compared.
     pub chunks_checked: usize,
-    /// Sleep: seconds from queueing the fingerprints to having compared them.
+    /// Sleep: seconds spent on fingerprints: queueing them, waiting for them (what did not overlap other
+    /// work), comparing them and queueing the changed chunks' copies.
     pub fingerprint_seconds: f64,
     pub seconds: f64,
 }

@@ -1,9 +1,7 @@
 //! Wake: map new physical memory at the same addresses and restore the backups; all or nothing.
 
-use std::collections::HashMap;
 use std::time::Instant;
 
-use super::retain::Batches;
 use super::{tag_set, Engine, Inner, Report};
 use crate::driver::{DevPtr, PhysHandle};
 use crate::error::Result;
@@ -44,7 +42,6 @@ impl Engine {
             .iter()
             .filter(|a| Self::backup_of(&inner, **a).is_some())
             .count();
-        let mut batches = Batches::new();
         let result = (|| {
             for addr in &targets[..backed] {
                 mapped.push((*addr, self.map_at(&mut inner, *addr)?));
@@ -55,8 +52,6 @@ impl Engine {
                 self.copy_back(a.device, a.addr, a.size, b)?;
                 report.copied_bytes += a.size;
             }
-            // Fingerprints of what was restored, behind the copies, for the next sleep to skip unchanged chunks.
-            batches = self.queue_wake_fingerprints(&mut inner, &targets[..backed]);
             for addr in &targets[backed..] {
                 mapped.push((*addr, self.map_at(&mut inner, *addr)?));
                 report.discarded_bytes += inner.reg.get(*addr).expect("selected").size;
@@ -66,22 +61,17 @@ impl Engine {
         // Wait even after a failure: no copy may still be writing when the rollback unmaps.
         let result = self.wait_devices(&inner, &targets, result);
         if let Err(e) = result {
-            self.abandon_wake_fingerprints(&batches);
             self.rollback_wake(&mut inner, &mapped);
             return Err(e);
         }
-        let restored: HashMap<DevPtr, Backup> = if batches.is_empty() {
-            HashMap::new()
-        } else {
-            targets[..backed]
-                .iter()
-                .filter_map(|a| Self::backup_of(&inner, *a).map(|b| (*a, b.clone())))
-                .collect()
-        };
+        let restored: Vec<(DevPtr, Backup)> = targets[..backed]
+            .iter()
+            .filter_map(|a| Self::backup_of(&inner, *a).map(|b| (*a, b.clone())))
+            .collect();
         for (addr, handle) in mapped {
             inner.reg.set_state(addr, State::Awake { handle });
         }
-        self.keep_restored_backups(&mut inner, batches, restored);
+        self.keep_restored_backups(&mut inner, restored);
         self.collect_unused_arenas(&mut inner);
         Self::note_peak(&mut inner);
         report.seconds = start.elapsed().as_secs_f64();
