@@ -317,7 +317,36 @@ def test_demo_on_the_gpu():
 def test_bench_on_the_gpu(tmp_path):
     out = tmp_path / "bench.json"
     p = run_cli("bench", "--backend", "cuda", "--scale", "16", "--kv-gib", "4", "--cycles", "2",
-                "--malloc-count", "50", "--no-tms", "--json", str(out), timeout=300)
+                "--malloc-count", "50", "--only", "sleep_wake,malloc", "--json", str(out), timeout=300)
     assert p.returncode == 0, p.stdout + p.stderr
     m = json.loads(out.read_text())["metrics"]
     assert m["copy_d2h_gbps"] > 0 and m["sleep_ratio"] > 0 and m["host_bytes_after_wake_nokeep"] == 0
+    assert m["sleep_skipped_all_bytes"] == [0, 0, 0] and m["errors"] == []
+
+
+@pytest.mark.skipif(not gpu_usable(), reason="needs a CUDA GPU and CUDA torch")
+def test_bench_new_tables_on_the_gpu(tmp_path):
+    """Retained backups through both layers (in-place rewrites by torch kernels, data verified after every wake),
+    the wall-time table and a short allocation-count table, at a small scale."""
+    out = tmp_path / "bench.json"
+    p = run_cli("bench", "--backend", "cuda", "--scale", "16", "--kv-gib", "4", "--cycles", "1", "--only",
+                "retained,wall,alloc_count", "--alloc-counts", "16,128", "--json", str(out), timeout=300)
+    assert p.returncode == 0, p.stdout + p.stderr
+    m = json.loads(out.read_text())["metrics"]
+    assert m["errors"] == []
+    w = m["weights_bytes"]
+    for layer in ("core", "torch"):
+        on, off = m[f"retained_{layer}_on_cycles"], m[f"retained_{layer}_off_cycles"]
+        assert _median_report(on["unchanged"], "copied_bytes") == 0
+        assert _median_report(on["unchanged"], "skipped_bytes") >= w
+        assert 0 < _median_report(on["one_percent"], "copied_bytes") <= 0.05 * w
+        assert _median_report(on["all"], "copied_bytes") >= 0.99 * w
+        for kind in ("unchanged", "one_percent", "all"):
+            assert _median_report(off[kind], "skipped_bytes") == 0
+        assert m[f"retained_{layer}_on_wake_ratio"] > 0
+    for call in ("sleep", "wake", "discard"):
+        assert m[f"wall_{call}_wall_s"] >= m[f"wall_{call}_core_s"] > 0
+    assert m["wall_gc_collect_s"] >= 0
+    for layer in ("core", "torch"):
+        for n in (16, 128):
+            assert m[f"alloc_count_{layer}_{n}_sleep_ratio"] > 0 and m[f"alloc_count_{layer}_{n}_wake_ratio"] > 0

@@ -10,10 +10,10 @@ from __future__ import annotations
 import statistics
 from typing import Any, Callable
 
-from ..workload import GiB, WEIGHTS_TAG, TorchWorkload, VerificationError, round_up, sim_granularity
+from ..workload import GiB, WEIGHTS_TAG, TorchWorkload, VerificationError, sim_granularity
 from .common import Context, fmt_bytes, fmt_seconds, report_seconds, say, timed
 from .limits import limit
-from .subjects import CoreTensors, SimSubject, TensorSubject, equal_specs, release_tensors
+from .subjects import CoreTensors, SimSubject, TensorSubject, equal_specs, release_tensors, sim_allocator
 
 TOTAL_BYTES = 12 * GiB
 COUNTS = (16, 128, 1024, 6144)
@@ -71,10 +71,7 @@ def _row(ctx: Context, layer: str, n: int, size: int, h2d: float, d2h: float) ->
     specs = equal_specs(n, size)
     total = n * size
     if not ctx.gpu:
-        from .. import Allocator
-
-        gran = sim_granularity(ctx.scale)
-        alloc = Allocator.simulated(capacity=total + 16 * gran, granularity=gran)
+        alloc = sim_allocator(ctx.scale, [total])
         try:
             sim = SimSubject(alloc, specs)
             sim.allocate()
@@ -138,7 +135,8 @@ def _cycles(ctx: Context, core: Any, key: str, label: str, subject: Any, sleep: 
         if i:
             sleeps.append(ts)
             wakes.append(tw)
-            core_sleeps.append(report_seconds(rs) or ts)
+            core_s = report_seconds(rs)
+            core_sleeps.append(ts if core_s is None else core_s)
     gpu = ctx.gpu
     ts, tw, tc = statistics.median(sleeps), statistics.median(wakes), statistics.median(core_sleeps)
     note = f"; core's own time {total / tc / 1e9 / d2h:.3f}x" if extra else ""

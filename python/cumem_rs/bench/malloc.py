@@ -7,10 +7,11 @@ from __future__ import annotations
 import ctypes
 import gc
 import random
-from typing import Any, Optional
+from typing import Optional
 
-from ..workload import MiB, round_up, sim_granularity
+from ..workload import MiB, round_up
 from .common import Context, each, timed
+from .subjects import sim_allocator
 
 DEFAULT_MALLOC_COUNT = 500
 
@@ -155,11 +156,8 @@ def run(ctx: Context) -> None:
 
 
 def _rows_sim(ctx: Context, sizes: list[int]) -> None:
-    from .. import Allocator
-
     res = ctx.res
-    gran = sim_granularity(ctx.scale)
-    alloc = Allocator.simulated(capacity=sum(round_up(s, gran) for s in sizes) + 16 * gran, granularity=gran)
+    alloc = sim_allocator(ctx.scale, sizes)
     try:
         batch, tm = timed(lambda: [alloc.malloc(s) for s in sizes])
         _, tf = timed(lambda: each(alloc.free, batch))

@@ -26,13 +26,12 @@ from ..workload import (
     TorchWorkload,
     VerificationError,
     reference_workload,
-    round_up,
     sim_granularity,
     total_bytes,
 )
 from .common import Context, fmt_bytes, fmt_seconds, retain_default, say, timed
 from .limits import limit
-from .subjects import CoreTensors, SimSubject, TensorSubject, choose_chunks, release_tensors
+from .subjects import CoreTensors, SimSubject, TensorSubject, choose_chunks, release_tensors, sim_allocator
 
 SECTION = "retained backups: sleep after a wake, by what changed in between"
 REWRITE_FRACTION = 0.01
@@ -196,10 +195,8 @@ def _policies(ctx: Context, core: Any, label: str, key: str, subject: Any, sleep
 
 
 def _sim(ctx: Context, specs: list, cycles: dict[str, int], wbytes: int, limit_gbps: float) -> None:
-    from .. import Allocator
-
     gran = sim_granularity(ctx.scale)
-    alloc = Allocator.simulated(capacity=sum(round_up(s.nbytes, gran) for s in specs) + 16 * gran, granularity=gran)
+    alloc = sim_allocator(ctx.scale, (s.nbytes for s in specs))
     try:
         # Chunks in proportion with the GPU's: one granularity, as 2 MiB is there.
         alloc.set_fingerprint_chunk(gran)

@@ -18,14 +18,12 @@ from ..workload import (
     TorchWorkload,
     VerificationError,
     reference_workload,
-    round_up,
-    sim_granularity,
     total_bytes,
 )
 from .common import Context, Results, fmt_bytes, fmt_seconds, report_seconds, say, timed
 from .limits import limit
 from .malloc import raw_kv_baseline
-from .subjects import release_tensors
+from .subjects import release_tensors, sim_allocator
 
 SECTION = "sleep/wake, copy path (retained backups off)"
 
@@ -105,11 +103,8 @@ def run(ctx: Context) -> None:
 
 
 def _sim(ctx: Context, specs: list, wbytes: int, limit_gbps: float) -> None:
-    from .. import Allocator
-
     res = ctx.res
-    gran = sim_granularity(ctx.scale)
-    alloc = Allocator.simulated(capacity=sum(round_up(s.nbytes, gran) for s in specs) + 16 * gran, granularity=gran)
+    alloc = sim_allocator(ctx.scale, (s.nbytes for s in specs))
     try:
         alloc.set_retain_backups(False)
         wl = AllocatorWorkload(alloc, specs)

@@ -10,9 +10,19 @@ from __future__ import annotations
 import bisect
 import gc
 import random
+from collections.abc import Iterable
 from typing import Any
 
-from ..workload import WEIGHTS_TAG, AllocatorWorkload, TensorSpec, TorchWorkload, VerificationError, pattern_bytes
+from ..workload import (
+    WEIGHTS_TAG,
+    AllocatorWorkload,
+    TensorSpec,
+    TorchWorkload,
+    VerificationError,
+    pattern_bytes,
+    round_up,
+    sim_granularity,
+)
 from .common import Context
 
 Span = tuple[int, int]  # (address, bytes)
@@ -118,6 +128,14 @@ class CoreTensors(TorchWorkload):
         for addr in self.addresses:
             self.core.free(addr)
         self.addresses = []
+
+
+def sim_allocator(scale: int, sizes: Iterable[int]) -> Any:
+    """A simulated core Allocator with the granularity of `scale` and room for allocations of `sizes`."""
+    from .. import Allocator
+
+    gran = sim_granularity(scale)
+    return Allocator.simulated(capacity=sum(round_up(n, gran) for n in sizes) + 16 * gran, granularity=gran)
 
 
 def release_tensors(ctx: Context, wl: TorchWorkload) -> None:
