@@ -41,7 +41,15 @@ pub fn layout(allocs: impl IntoIterator<Item = (i32, DevPtr, usize)>) -> (Vec<Jo
 pub struct IssuedCell {
     pub markers: Vec<(i32, u64)>,
     pub jobs: Vec<usize>,
+    /// Stream operations it queued (copies and markers).
+    pub ops: usize,
 }
+
+/// Operations kept queued on the copy streams at most while issuing into a pinned arena. A CUDA stream holds
+/// about a thousand pending operations; past that, queueing a copy blocks until one finishes, and a sleep of
+/// thousands of small allocations would spend the whole copy time queueing before it could release anything
+/// (measured: 6144 allocations of 2 MiB slept at 0.49x of the copy limit).
+const MAX_QUEUED_OPS: usize = 512;
 
 /// A cell's (offset, len) in the arena and the (job, from, to) arena byte ranges it holds.
 type PlannedCell = ((usize, usize), Vec<(usize, usize, usize)>);
@@ -78,9 +86,11 @@ fn issue_cell(
     pieces: &[(usize, usize, usize)],
 ) -> Result<IssuedCell> {
     let mut devices: Vec<i32> = Vec::new();
+    let mut ops = 0;
     for &(j, from, to) in pieces {
         let job = jobs[j];
         for (off, len) in arena.split_at_pieces(from, to - from) {
+            ops += 1;
             driver.copy_d2h(
                 job.device,
                 arena.at(off),
@@ -104,9 +114,11 @@ fn issue_cell(
             }
         }
     }
+    ops += markers.len();
     Ok(IssuedCell {
         markers,
         jobs: pieces.iter().map(|p| p.0).collect(),
+        ops,
     })
 }
 
@@ -133,7 +145,7 @@ pub fn issue_copy_out(
         match issue_cell(driver, arena, jobs, pieces) {
             Ok(c) => issued.push(c),
             Err(e) => {
-                drain(driver, jobs);
+                drain_streams(driver, jobs);
                 return (issued, Err(e));
             }
         }
@@ -151,14 +163,57 @@ pub fn issue_copy_out(
         }
     });
     if result.is_err() {
-        drain(driver, jobs);
+        drain_streams(driver, jobs);
     }
     (issued, result)
 }
 
+/// Whether every cell of the jobs' layout lies in pinned memory of `arena` (a cached, steady arena).
+pub fn all_pinned(arena: &HostBuffer, jobs: &[Job], cell: usize) -> bool {
+    let total = jobs.last().map_or(0, |j| j.offset + j.size);
+    plan(jobs, total, cell)
+        .iter()
+        .all(|((off, _), _)| arena.is_pinned_at(*off))
+}
+
+/// Queue the device-to-host copies of every job into a wholly pinned `arena`, handing the oldest issued cell to
+/// `drain` (which waits for it and releases what it completes) whenever more than MAX_QUEUED_OPS operations are
+/// queued, so that releases run while the copies drain instead of after them. Returns the cells not drained yet
+/// (in issue order) and the first error; after an error no further cell is issued and every copy stream the
+/// jobs use was waited for.
+pub fn issue_copy_out_pinned(
+    driver: &dyn Driver,
+    arena: &HostBuffer,
+    jobs: &[Job],
+    cell: usize,
+    mut drain: impl FnMut(IssuedCell),
+) -> (Vec<IssuedCell>, Result<()>) {
+    let total = jobs.last().map_or(0, |j| j.offset + j.size);
+    let mut pending: std::collections::VecDeque<IssuedCell> = std::collections::VecDeque::new();
+    let mut queued = 0;
+    for (_, pieces) in plan(jobs, total, cell) {
+        match issue_cell(driver, arena, jobs, &pieces) {
+            Ok(c) => {
+                queued += c.ops;
+                pending.push_back(c);
+                while pending.len() > 1 && queued > MAX_QUEUED_OPS {
+                    let oldest = pending.pop_front().expect("len > 1");
+                    queued -= oldest.ops;
+                    drain(oldest);
+                }
+            }
+            Err(e) => {
+                drain_streams(driver, jobs);
+                return (pending.into(), Err(e));
+            }
+        }
+    }
+    (pending.into(), Ok(()))
+}
+
 /// After a failed issue, copies queued before the failure may have no marker behind them: wait for every copy
 /// stream the jobs use, so none still writes into the arena when it is given back.
-fn drain(driver: &dyn Driver, jobs: &[Job]) {
+fn drain_streams(driver: &dyn Driver, jobs: &[Job]) {
     let mut devices: Vec<i32> = jobs.iter().map(|j| j.device).collect();
     devices.sort_unstable();
     devices.dedup();

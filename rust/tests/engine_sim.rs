@@ -379,3 +379,52 @@ fn close_reports_releases_the_driver_still_refuses_and_can_be_retried() {
     assert!(e.is_closed());
     assert_no_leaks(&sim);
 }
+
+/// A steady sleep of more allocations than the copy streams keep queued releases cells while it issues the
+/// next ones; whatever copy fails, every allocation ends awake with its data or asleep with a full backup.
+#[test]
+fn steady_sleep_of_many_allocations_releases_while_issuing_and_survives_a_failed_copy() {
+    const N: usize = 700; // more copies than the issue window (512 queued operations)
+    for fail_at in [None, Some(1), Some(400)] {
+        let (sim, e) = engine(1, (N + 8) * GRAN);
+        e.set_retain_backups(false).unwrap(); // every sleep copies: the path under test
+        e.set_pin_chunk(10 * GRAN); // 70 cells of 10 copies: the window drains cells while issuing
+        e.push_tag("weights").unwrap();
+        let addrs: Vec<u64> = (0..N).map(|_| e.malloc(GRAN, 0, 0).unwrap()).collect();
+        e.pop_tag().unwrap();
+        for (i, a) in addrs.iter().enumerate() {
+            e.write(*a, &pattern(i as u8, GRAN)).unwrap();
+        }
+        e.sleep(&["weights"]).unwrap(); // cold: pins the arena
+        e.wake(None::<&[&str]>).unwrap();
+        if let Some(nth) = fail_at {
+            sim.inject_fault(Op::CopyD2H, nth, 999).unwrap();
+            assert!(
+                e.sleep(&["weights"]).is_err(),
+                "the injected copy fault is reported"
+            );
+            sim.clear_faults();
+            for a in e.allocations().unwrap() {
+                assert!(
+                    !a.asleep || a.backed_up,
+                    "{:#x} asleep without a backup",
+                    a.addr
+                );
+            }
+        } else {
+            let r = e.sleep(&["weights"]).unwrap();
+            assert_eq!(r.copied_bytes, N * GRAN);
+        }
+        assert_eq!(sim.counts().markers, 0, "every marker waited for");
+        e.wake(None::<&[&str]>).unwrap();
+        for (i, a) in addrs.iter().enumerate() {
+            assert_eq!(
+                e.read(*a, GRAN).unwrap(),
+                pattern(i as u8, GRAN),
+                "allocation {i} after {fail_at:?}"
+            );
+        }
+        e.close().unwrap();
+        assert_no_leaks(&sim);
+    }
+}

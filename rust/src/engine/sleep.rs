@@ -5,7 +5,7 @@ use std::time::Instant;
 
 use super::{tag_set, Engine, Inner, Report};
 use crate::driver::DevPtr;
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::host::HostBuffer;
 use crate::registry::{Allocation, Backup, State};
 use crate::transfer;
@@ -61,33 +61,53 @@ impl Engine {
         //    for the copies: the retained ones to find their changed chunks, all to let the next sleep skip.
         let mut prints = self.begin_sleep_prints(&mut inner, retained, &backed);
 
-        // 3. Queue the backup copies (pinning a cold arena cell by cell meanwhile).
-        let mut issued = Vec::new();
-        let mut arena = None;
+        // 3. Queue the backup copies. A steady (wholly pinned) arena is filled a bounded number of copies ahead,
+        //    releasing each cell's finished allocations as it goes; a cold one is pinned cell by cell meanwhile.
+        let cell_size = inner.pin_chunk;
         let mut first_err = None;
+        let mut issued = Vec::new();
+        let mut cells: Option<CellRelease> = None;
         if let Some(mut buf) = buf {
-            let mut absorbed = Vec::new();
-            let (cells, result) = transfer::issue_copy_out(
-                &*self.driver,
-                &mut buf,
-                &jobs,
-                inner.pin_chunk,
-                &mut absorbed,
-            );
-            for e in absorbed {
-                Self::record(
-                    &mut inner,
-                    "pinning host backup memory (copying through pageable memory)",
-                    &e,
+            if transfer::all_pinned(&buf, &jobs, cell_size) {
+                let buf = Arc::new(buf);
+                inner.arenas.push(buf.clone());
+                let mut rel = CellRelease::new(&jobs, cell_size, buf.clone());
+                let (rest, result) = transfer::issue_copy_out_pinned(
+                    &*self.driver,
+                    &buf,
+                    &jobs,
+                    cell_size,
+                    |cell| rel.finish(self, &mut inner, cell, &mut report, &mut first_err),
                 );
+                if let Err(e) = result {
+                    first_err.get_or_insert(e);
+                }
+                issued = rest;
+                cells = Some(rel);
+            } else {
+                let mut absorbed = Vec::new();
+                let (rest, result) = transfer::issue_copy_out(
+                    &*self.driver,
+                    &mut buf,
+                    &jobs,
+                    cell_size,
+                    &mut absorbed,
+                );
+                for e in absorbed {
+                    Self::record(
+                        &mut inner,
+                        "pinning host backup memory (copying through pageable memory)",
+                        &e,
+                    );
+                }
+                if let Err(e) = result {
+                    first_err.get_or_insert(e);
+                }
+                issued = rest;
+                let buf = Arc::new(buf);
+                inner.arenas.push(buf.clone());
+                cells = Some(CellRelease::new(&jobs, cell_size, buf));
             }
-            if let Err(e) = result {
-                first_err = Some(e);
-            }
-            issued = cells;
-            let buf = Arc::new(buf);
-            inner.arenas.push(buf.clone());
-            arena = Some(buf);
         }
 
         // 4. Compare the fingerprints; queue the copies of changed chunks into the retained backups.
@@ -104,41 +124,15 @@ impl Engine {
             }
         }
 
-        // 6. As cells finish, release the allocations whose backup is complete. `missing` counts each job's
-        //    cells on the whole grid, so a job with a cell that was never queued (after an error) stays awake.
-        let cell_size = inner.pin_chunk;
-        let mut missing: Vec<usize> = jobs
-            .iter()
-            .map(|j| (j.offset + j.size - 1) / cell_size - j.offset / cell_size + 1)
-            .collect();
-        let mut copies_ok = true;
-        for cell in issued {
-            for (device, marker) in cell.markers {
-                if let Err(e) = self.driver.wait_marker(device, marker) {
-                    copies_ok = false; // release nothing more, but drain every marker
-                    first_err.get_or_insert(e);
-                }
-            }
-            for j in cell.jobs {
-                missing[j] -= 1;
-                if missing[j] == 0 && copies_ok {
-                    let backup = Backup {
-                        arena: arena.clone().expect("jobs imply an arena"),
-                        offset: jobs[j].offset,
-                    };
-                    match self.release_to_sleep(&mut inner, jobs[j].addr, Some(backup), &mut report)
-                    {
-                        Ok(()) => report.copied_bytes += jobs[j].size,
-                        Err(e) => {
-                            first_err.get_or_insert(e);
-                        }
-                    }
-                }
+        // 6. As the remaining cells finish, release the allocations whose backup is complete.
+        if let Some(rel) = cells.as_mut() {
+            for cell in issued {
+                rel.finish(self, &mut inner, cell, &mut report, &mut first_err);
             }
         }
         // 7. Once their changed chunks are on the host, release the allocations with a retained backup.
         self.finish_sleep_prints(&mut inner, prints, changed_ok, &mut report, &mut first_err);
-        drop(arena);
+        drop(cells);
         self.collect_unused_arenas(&mut inner);
         report.seconds = start.elapsed().as_secs_f64();
         log::debug!(
@@ -210,5 +204,62 @@ impl Engine {
         self.collect_unused_arenas(&mut inner);
         report.seconds = start.elapsed().as_secs_f64();
         first_err.map_or(Ok(report), Err)
+    }
+}
+
+/// Releases the backed-up allocations of a sleep as the cells holding their backup finish. `missing` counts each
+/// job's cells on the whole grid, so a job with a cell that was never queued (after an error) stays awake.
+struct CellRelease {
+    jobs: Vec<transfer::Job>,
+    missing: Vec<usize>,
+    arena: Arc<HostBuffer>,
+    /// False after a failed wait: nothing more is released, but every marker is still waited for.
+    copies_ok: bool,
+}
+
+impl CellRelease {
+    fn new(jobs: &[transfer::Job], cell_size: usize, arena: Arc<HostBuffer>) -> Self {
+        CellRelease {
+            jobs: jobs.to_vec(),
+            missing: jobs
+                .iter()
+                .map(|j| (j.offset + j.size - 1) / cell_size - j.offset / cell_size + 1)
+                .collect(),
+            arena,
+            copies_ok: true,
+        }
+    }
+
+    /// Wait for `cell`'s copies, then release every allocation whose last cell it was.
+    fn finish(
+        &mut self,
+        engine: &Engine,
+        inner: &mut Inner,
+        cell: transfer::IssuedCell,
+        report: &mut Report,
+        first_err: &mut Option<Error>,
+    ) {
+        for (device, marker) in cell.markers {
+            if let Err(e) = engine.driver.wait_marker(device, marker) {
+                self.copies_ok = false;
+                first_err.get_or_insert(e);
+            }
+        }
+        for j in cell.jobs {
+            self.missing[j] -= 1;
+            if self.missing[j] == 0 && self.copies_ok {
+                let job = self.jobs[j];
+                let backup = Backup {
+                    arena: self.arena.clone(),
+                    offset: job.offset,
+                };
+                match engine.release_to_sleep(inner, job.addr, Some(backup), report) {
+                    Ok(()) => report.copied_bytes += job.size,
+                    Err(e) => {
+                        first_err.get_or_insert(e);
+                    }
+                }
+            }
+        }
     }
 }

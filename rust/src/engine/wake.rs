@@ -11,10 +11,9 @@ impl Engine {
     /// Map new physical memory at the same addresses for asleep allocations whose tag is in `tags` (None: all),
     /// and copy their backups back. All or nothing.
     ///
-    /// Order: map every backed-up allocation (all devices), queue all their copies (one stream per device, so
-    /// devices copy in parallel), then map the allocations without backup while those copies run, and wait once
-    /// per device. Interleaving maps with copies instead was measured to serialize two GPUs (0.61x of their
-    /// aggregate copy bandwidth): maps on one device waited for the copies already queued.
+    /// Order: map each backed-up allocation and queue its copy (on several devices: map them all, then queue all
+    /// the copies, one stream per device), then map the allocations without backup while those copies run, and
+    /// wait once per device.
     pub fn wake<S: AsRef<str>>(&self, tags: Option<&[S]>) -> Result<Report> {
         let start = Instant::now();
         let wanted = tags.map(tag_set);
@@ -42,15 +41,26 @@ impl Engine {
             .iter()
             .filter(|a| Self::backup_of(&inner, **a).is_some())
             .count();
+        let one_device = Self::devices_of(&inner, &targets[..backed]).len() <= 1;
         let result = (|| {
-            for addr in &targets[..backed] {
-                mapped.push((*addr, self.map_at(&mut inner, *addr)?));
-            }
-            for addr in &targets[..backed] {
-                let a = inner.reg.get(*addr).expect("selected");
-                let b = Self::backup_of(&inner, *addr).expect("sorted first");
-                self.copy_back(a.device, a.addr, a.size, b)?;
-                report.copied_bytes += a.size;
+            if one_device {
+                // Each copy is queued right after its map: the copies start after the first map instead of the
+                // last, and the per-allocation driver calls (which do not wait for copies in flight on their
+                // device) run under them. Measured on an H200 with 1024 allocations of 12 MiB: the maps alone
+                // take 53 ms, a quarter of the copy time.
+                for addr in &targets[..backed] {
+                    mapped.push((*addr, self.map_at(&mut inner, *addr)?));
+                    self.restore(&inner, *addr, &mut report)?;
+                }
+            } else {
+                // Several devices: map every device first. Maps on one device wait for copies queued on another
+                // (measured: interleaving serialized two GPUs, 0.61x of their aggregate copy bandwidth).
+                for addr in &targets[..backed] {
+                    mapped.push((*addr, self.map_at(&mut inner, *addr)?));
+                }
+                for addr in &targets[..backed] {
+                    self.restore(&inner, *addr, &mut report)?;
+                }
             }
             for addr in &targets[backed..] {
                 mapped.push((*addr, self.map_at(&mut inner, *addr)?));
@@ -92,6 +102,15 @@ impl Engine {
             State::Asleep { backup } => backup.as_ref(),
             State::Awake { .. } => None,
         }
+    }
+
+    /// Queue the copy of one mapped allocation's backup back to it.
+    fn restore(&self, inner: &Inner, addr: DevPtr, report: &mut Report) -> Result<()> {
+        let a = inner.reg.get(addr).expect("selected");
+        let b = Self::backup_of(inner, addr).expect("sorted first");
+        self.copy_back(a.device, a.addr, a.size, b)?;
+        report.copied_bytes += a.size;
+        Ok(())
     }
 
     /// Map new physical memory under one asleep allocation's range.
