@@ -33,19 +33,22 @@ pub(super) struct Prints {
 /// Per device: the allocations of one fingerprint batch, in batch order.
 type Batches = HashMap<i32, Vec<DevPtr>>;
 
+/// A device and the marker after some of its stream's work (None: wait for the whole stream instead).
+type StreamPoint = (i32, Option<u64>);
+
 /// The fingerprint part of one sleep, in three steps: `begin_sleep_prints` (queue), `issue_changed_chunks`
 /// (compare, queue the copies of changed chunks), `finish_sleep_prints` (wait, release, keep the new prints).
 pub(super) struct SleepPrints {
     batches: Batches,
     /// Markers after the fingerprint batches (None: no marker could be recorded, wait for the whole stream).
-    markers: Vec<(i32, Option<u64>)>,
+    markers: Vec<StreamPoint>,
     /// Offloaded allocations with a retained backup.
     retained: Vec<DevPtr>,
     /// Every offloaded allocation of this sleep.
     backed: Vec<DevPtr>,
     /// Retained allocations whose changed chunks are queued, with their backup and, when something was copied,
     /// the device and the marker after their copies (None: wait for the whole stream), in queue order.
-    queued: Vec<(DevPtr, Backup, Option<(i32, Option<u64>)>)>,
+    queued: Vec<(DevPtr, Backup, Option<StreamPoint>)>,
     /// The prints taken now, per allocation.
     now: HashMap<DevPtr, Vec<Fingerprint>>,
     queue_seconds: f64,
