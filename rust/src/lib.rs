@@ -10,6 +10,7 @@ pub mod ffi;
 pub mod fingerprint;
 pub mod global;
 pub mod host;
+pub mod host_guard;
 pub mod logbuf;
 pub mod registry;
 pub mod transfer;
