@@ -81,6 +81,9 @@ impl Driver for Recording {
         }
         r
     }
+    fn memset_zero(&self, device: i32, addr: DevPtr, size: usize) -> Result<()> {
+        self.sim.memset_zero(device, addr, size) // device memory only: no host buffer to keep alive
+    }
     fn wait(&self, device: i32) -> Result<()> {
         self.push(Call::Wait(device)); // even a failed wait ends the stream's work on CUDA (it reports the error)
         self.sim.wait(device)

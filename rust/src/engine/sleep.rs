@@ -24,14 +24,37 @@ impl Engine {
         let offload = tag_set(offload_tags);
         let mut inner = self.lock_open()?;
         self.retry_pending(&mut inner);
-        let targets = inner.reg.select(Allocation::is_awake);
+        let (backed, bare) = Self::split_awake(&inner, |_| true, |a| offload.contains(&*a.tag));
+        self.sleep_targets(&mut inner, backed, bare, start)
+    }
+
+    /// The awake allocations for which `wanted` holds, split into those to back up (`backup` holds) and the rest.
+    pub(super) fn split_awake(
+        inner: &Inner,
+        wanted: impl Fn(&Allocation) -> bool,
+        backup: impl Fn(&Allocation) -> bool,
+    ) -> (Vec<DevPtr>, Vec<DevPtr>) {
+        let (mut backed, mut bare) = (Vec::new(), Vec::new());
+        for a in inner.reg.iter().filter(|a| a.is_awake() && wanted(a)) {
+            if backup(a) { &mut backed } else { &mut bare }.push(a.addr);
+        }
+        (backed, bare)
+    }
+
+    /// Back up `backed`, then release `backed` and `bare` (awake allocations): the body of `sleep`, shared with
+    /// `pause` and `sleep_by_policy`, with the ordering and guarantees described at `sleep`.
+    pub(super) fn sleep_targets(
+        &self,
+        inner: &mut Inner,
+        backed: Vec<DevPtr>,
+        bare: Vec<DevPtr>,
+        start: Instant,
+    ) -> Result<Report> {
+        let targets: Vec<DevPtr> = backed.iter().chain(&bare).copied().collect();
         if targets.is_empty() {
             return Ok(Report::default());
         }
-        self.synchronize_devices(&inner, &targets)?;
-        let (backed, bare): (Vec<DevPtr>, Vec<DevPtr>) = targets
-            .iter()
-            .partition(|a| offload.contains(&*inner.reg.get(**a).expect("selected").tag));
+        self.synchronize_devices(inner, &targets)?;
         let mut report = Report::default();
 
         // 1. Queue the backup copies.
@@ -62,7 +85,7 @@ impl Engine {
             );
             for e in absorbed {
                 Self::record(
-                    &mut inner,
+                    inner,
                     "pinning host backup memory (copying through pageable memory)",
                     &e,
                 );
@@ -78,7 +101,7 @@ impl Engine {
 
         // 2. While the copies run, release what needs no backup.
         for addr in bare {
-            if let Err(e) = self.release_to_sleep(&mut inner, addr, None, &mut report) {
+            if let Err(e) = self.release_to_sleep(inner, addr, None, &mut report) {
                 first_err.get_or_insert(e);
             }
         }
@@ -105,7 +128,7 @@ impl Engine {
                         arena: arena.clone().expect("jobs imply an arena"),
                         offset: jobs[j].offset,
                     };
-                    match self.release_to_sleep(&mut inner, jobs[j].addr, Some(backup), &mut report)
+                    match self.release_to_sleep(inner, jobs[j].addr, Some(backup), &mut report)
                     {
                         Ok(()) => report.copied_bytes += jobs[j].size,
                         Err(e) => {
@@ -116,7 +139,7 @@ impl Engine {
             }
         }
         drop(arena);
-        self.collect_unused_arenas(&mut inner);
+        self.collect_unused_arenas(inner);
         report.seconds = start.elapsed().as_secs_f64();
         log::debug!(
             "engine sleep: {} allocations, {} bytes backed up ({}), {} bytes released without backup, {:.3} s",
