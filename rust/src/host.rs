@@ -216,7 +216,9 @@ impl HostBuffer {
     /// Copy bytes [offset, offset + out.len()) of the buffer into `out` (reading a backup on the host).
     pub fn read_at(&self, offset: usize, out: &mut [u8]) {
         assert!(
-            offset.checked_add(out.len()).is_some_and(|end| end <= self.len),
+            offset
+                .checked_add(out.len())
+                .is_some_and(|end| end <= self.len),
             "read of {} bytes at {offset} outside host buffer of {} bytes",
             out.len(),
             self.len
@@ -224,7 +226,11 @@ impl HostBuffer {
         // SAFETY: the range lies inside our live mapping (checked above) and `out` is a distinct Rust buffer; the
         // engine reads only complete backups (of asleep allocations), which no copy writes to any more.
         unsafe {
-            std::ptr::copy_nonoverlapping((self.ptr + offset) as *const u8, out.as_mut_ptr(), out.len())
+            std::ptr::copy_nonoverlapping(
+                (self.ptr + offset) as *const u8,
+                out.as_mut_ptr(),
+                out.len(),
+            )
         };
     }
 

@@ -21,7 +21,9 @@ fn sim_engine(devices: usize) -> (Arc<SimDriver>, Engine) {
 }
 
 fn bytes(seed: u8, len: usize) -> Vec<u8> {
-    (0..len).map(|i| (i as u8 ^ seed).wrapping_add(seed)).collect()
+    (0..len)
+        .map(|i| (i as u8 ^ seed).wrapping_add(seed))
+        .collect()
 }
 
 /// Allocate `size` bytes on `device` under `tag` and fill them with `bytes(seed, size)`.
@@ -46,7 +48,11 @@ fn finish(sim: &SimDriver, e: Engine) {
     e.close().unwrap();
     let c = sim.counts();
     assert_eq!((c.ranges, c.handles, c.mapped_bytes), (0, 0, 0), "{c:?}");
-    assert_eq!((c.host_registered, c.host_allocated, c.markers), (0, 0, 0), "{c:?}");
+    assert_eq!(
+        (c.host_registered, c.host_allocated, c.markers),
+        (0, 0, 0),
+        "{c:?}"
+    );
 }
 
 const ZERO: TagPolicy = TagPolicy {
@@ -65,11 +71,28 @@ fn zero_wake_fill_zeroes_memory_woken_without_backup_and_only_that() {
 
     e.sleep(&["weights"]).unwrap();
     let r = e.wake(None::<&[&str]>).unwrap();
-    assert_eq!((r.discarded_bytes, r.zeroed_bytes, r.copied_bytes), (3 * G, 2 * G, G));
-    assert!(e.read(kv, 2 * G).unwrap().iter().all(|b| *b == 0), "kv_cache not zeroed");
-    assert!(e.read(scratch, G).unwrap().iter().all(|b| *b == POISON), "no policy: poison");
-    assert_eq!(e.read(w, G).unwrap(), bytes(3, G), "a backup wins over the fill");
-    assert_eq!(calls(&sim, Op::MemsetZero), 1, "one fill per zeroed allocation");
+    assert_eq!(
+        (r.discarded_bytes, r.zeroed_bytes, r.copied_bytes),
+        (3 * G, 2 * G, G)
+    );
+    assert!(
+        e.read(kv, 2 * G).unwrap().iter().all(|b| *b == 0),
+        "kv_cache not zeroed"
+    );
+    assert!(
+        e.read(scratch, G).unwrap().iter().all(|b| *b == POISON),
+        "no policy: poison"
+    );
+    assert_eq!(
+        e.read(w, G).unwrap(),
+        bytes(3, G),
+        "a backup wins over the fill"
+    );
+    assert_eq!(
+        calls(&sim, Op::MemsetZero),
+        1,
+        "one fill per zeroed allocation"
+    );
 
     // Clearing the policy (the default policy) brings the poison back.
     e.set_tag_policy("kv_cache", TagPolicy::default()).unwrap();
@@ -87,9 +110,17 @@ fn pause_releases_only_the_named_tag_and_resume_restores_it() {
     let mapped = e.usage(None).unwrap();
 
     let r = e.pause(Some(&["weights"])).unwrap();
-    assert_eq!((r.allocations, r.copied_bytes, r.discarded_bytes), (1, 3 * G, 0), "unset policy: backed up");
+    assert_eq!(
+        (r.allocations, r.copied_bytes, r.discarded_bytes),
+        (1, 3 * G, 0),
+        "unset policy: backed up"
+    );
     assert_eq!(e.usage(None).unwrap(), mapped - 3 * G);
-    assert_eq!(e.read(kv, 2 * G).unwrap(), bytes(5, 2 * G), "the other tag keeps running");
+    assert_eq!(
+        e.read(kv, 2 * G).unwrap(),
+        bytes(5, 2 * G),
+        "the other tag keeps running"
+    );
     e.write(kv, &bytes(6, 2 * G)).unwrap();
 
     let again = e.pause(Some(&["weights"])).unwrap();
@@ -97,7 +128,11 @@ fn pause_releases_only_the_named_tag_and_resume_restores_it() {
     let r = e.resume(Some(&["weights"])).unwrap();
     assert_eq!((r.allocations, r.copied_bytes), (1, 3 * G));
     assert_eq!(e.read(w, 3 * G).unwrap(), bytes(4, 3 * G));
-    assert_eq!(e.resume(Some(&["weights"])).unwrap().allocations, 0, "resuming an awake tag is a no-op");
+    assert_eq!(
+        e.resume(Some(&["weights"])).unwrap().allocations,
+        0,
+        "resuming an awake tag is a no-op"
+    );
     assert_eq!(e.read(kv, 2 * G).unwrap(), bytes(6, 2 * G));
     finish(&sim, e);
 }
@@ -105,11 +140,21 @@ fn pause_releases_only_the_named_tag_and_resume_restores_it() {
 #[test]
 fn pause_follows_the_backup_policy_and_none_means_every_tag() {
     let (sim, e) = sim_engine(1);
-    e.set_tag_policy("kv_cache", TagPolicy { backup: Some(false), wake_fill: WakeFill::Zero }).unwrap();
+    e.set_tag_policy(
+        "kv_cache",
+        TagPolicy {
+            backup: Some(false),
+            wake_fill: WakeFill::Zero,
+        },
+    )
+    .unwrap();
     let w = filled(&e, "weights", G, 0, 7);
     let kv = filled(&e, "kv_cache", G, 0, 8);
     let r = e.pause(None::<&[&str]>).unwrap();
-    assert_eq!((r.allocations, r.copied_bytes, r.discarded_bytes), (2, G, G));
+    assert_eq!(
+        (r.allocations, r.copied_bytes, r.discarded_bytes),
+        (2, G, G)
+    );
     assert_eq!(e.usage(None).unwrap(), 0);
     let info = e.allocations().unwrap();
     let backed = |addr| info.iter().find(|a| a.addr == addr).unwrap().backed_up;
@@ -128,10 +173,18 @@ fn pause_synchronizes_only_the_devices_it_releases_on() {
     filled(&e, "b", G, 2, 11);
     let before = calls(&sim, Op::Synchronize);
     e.pause(Some(&["a"])).unwrap();
-    assert_eq!(calls(&sim, Op::Synchronize) - before, 1, "only device 1 holds tag a");
+    assert_eq!(
+        calls(&sim, Op::Synchronize) - before,
+        1,
+        "only device 1 holds tag a"
+    );
     let before = calls(&sim, Op::Synchronize);
     e.pause(Some(&["a"])).unwrap();
-    assert_eq!(calls(&sim, Op::Synchronize), before, "a no-op pause synchronizes nothing");
+    assert_eq!(
+        calls(&sim, Op::Synchronize),
+        before,
+        "a no-op pause synchronizes nothing"
+    );
     finish(&sim, e);
 }
 
@@ -144,7 +197,10 @@ fn pause_and_resume_mix_with_sleep_and_wake() {
     e.pause(Some(&["weights"])).unwrap();
     // The sleep finds weights asleep (kept with its backup) and offloads only what is awake and asked for.
     let r = e.sleep(&["kv_cache"]).unwrap();
-    assert_eq!((r.allocations, r.copied_bytes, r.discarded_bytes), (2, G, G));
+    assert_eq!(
+        (r.allocations, r.copied_bytes, r.discarded_bytes),
+        (2, G, G)
+    );
     let r = e.resume(Some(&["weights", "kv_cache"])).unwrap();
     assert_eq!((r.allocations, r.copied_bytes), (2, 3 * G));
     assert_eq!(e.read(w, 2 * G).unwrap(), bytes(12, 2 * G));
@@ -165,8 +221,22 @@ fn sleep_without_tags_backs_up_per_policy_else_default_only() {
     let r = e.sleep_by_policy().unwrap();
     assert_eq!((r.copied_bytes, r.discarded_bytes), (G, 6 * G));
     e.wake(None::<&[&str]>).unwrap();
-    e.set_tag_policy("weights", TagPolicy { backup: Some(true), ..TagPolicy::default() }).unwrap();
-    e.set_tag_policy("default", TagPolicy { backup: Some(false), ..TagPolicy::default() }).unwrap();
+    e.set_tag_policy(
+        "weights",
+        TagPolicy {
+            backup: Some(true),
+            ..TagPolicy::default()
+        },
+    )
+    .unwrap();
+    e.set_tag_policy(
+        "default",
+        TagPolicy {
+            backup: Some(false),
+            ..TagPolicy::default()
+        },
+    )
+    .unwrap();
     let r = e.sleep_by_policy().unwrap();
     assert_eq!((r.copied_bytes, r.discarded_bytes), (2 * G, 5 * G));
     e.wake(None::<&[&str]>).unwrap();
@@ -186,10 +256,19 @@ fn status_reports_each_tag_its_bytes_policy_and_state() {
     filled(&e, "kv_cache", G, 0, 20);
     let s = e.status().unwrap();
     assert!(!s.is_sleeping);
-    assert_eq!(s.tags.keys().collect::<Vec<_>>(), ["idle", "kv_cache", "weights"]);
+    assert_eq!(
+        s.tags.keys().collect::<Vec<_>>(),
+        ["idle", "kv_cache", "weights"]
+    );
     let idle = &s.tags["idle"];
-    assert_eq!((idle.allocations, idle.state(), idle.policy), (0, "awake", ZERO));
-    assert_eq!((s.tags["weights"].mapped_bytes, s.tags["weights"].state()), (3 * G, "awake"));
+    assert_eq!(
+        (idle.allocations, idle.state(), idle.policy),
+        (0, "awake", ZERO)
+    );
+    assert_eq!(
+        (s.tags["weights"].mapped_bytes, s.tags["weights"].state()),
+        (3 * G, "awake")
+    );
 
     e.pause(Some(&["kv_cache"])).unwrap();
     e.free(w2).unwrap();
@@ -201,25 +280,51 @@ fn status_reports_each_tag_its_bytes_policy_and_state() {
     assert!(s.is_sleeping);
     let w = &s.tags["weights"];
     assert_eq!(
-        (w.allocations, w.mapped_bytes, w.asleep_bytes, w.backup_bytes, w.state()),
+        (
+            w.allocations,
+            w.mapped_bytes,
+            w.asleep_bytes,
+            w.backup_bytes,
+            w.state()
+        ),
         (2, G, 2 * G, 2 * G, "mixed")
     );
     let kv = &s.tags["kv_cache"];
-    assert_eq!((kv.asleep_bytes, kv.backup_bytes, kv.state()), (G, G, "asleep"));
+    assert_eq!(
+        (kv.asleep_bytes, kv.backup_bytes, kv.state()),
+        (G, G, "asleep")
+    );
     finish(&sim, e);
 }
 
 #[test]
 fn read_backup_shows_the_paused_contents_and_refuses_what_has_none() {
     let (sim, e) = sim_engine(1);
-    e.set_tag_policy("kv_cache", TagPolicy { backup: Some(false), ..TagPolicy::default() }).unwrap();
+    e.set_tag_policy(
+        "kv_cache",
+        TagPolicy {
+            backup: Some(false),
+            ..TagPolicy::default()
+        },
+    )
+    .unwrap();
     let w = filled(&e, "weights", 2 * G, 0, 21);
     let kv = filled(&e, "kv_cache", G, 0, 22);
-    assert_eq!(e.read_backup(w + 10, 100).unwrap(), None, "awake: no backup to read");
+    assert_eq!(
+        e.read_backup(w + 10, 100).unwrap(),
+        None,
+        "awake: no backup to read"
+    );
     e.pause(None::<&[&str]>).unwrap();
-    assert_eq!(e.read_backup(w + 10, 100).unwrap().unwrap(), bytes(21, 2 * G)[10..110]);
+    assert_eq!(
+        e.read_backup(w + 10, 100).unwrap().unwrap(),
+        bytes(21, 2 * G)[10..110]
+    );
     assert!(matches!(e.read_backup(kv, 1), Err(Error::InvalidState(_))));
-    assert!(matches!(e.read_backup(w + G as u64, 2 * G), Err(Error::InvalidArgument(_))));
+    assert!(matches!(
+        e.read_backup(w + G as u64, 2 * G),
+        Err(Error::InvalidArgument(_))
+    ));
     finish(&sim, e);
 }
 
@@ -245,8 +350,14 @@ fn a_failed_zero_fill_leaves_the_wake_undone() {
 #[test]
 fn bad_policy_input_is_refused() {
     let (sim, e) = sim_engine(1);
-    assert!(matches!(e.set_tag_policy("", ZERO), Err(Error::InvalidArgument(_))));
-    assert!(matches!(WakeFill::parse("zeros"), Err(Error::InvalidArgument(_))));
+    assert!(matches!(
+        e.set_tag_policy("", ZERO),
+        Err(Error::InvalidArgument(_))
+    ));
+    assert!(matches!(
+        WakeFill::parse("zeros"),
+        Err(Error::InvalidArgument(_))
+    ));
     assert_eq!(WakeFill::parse("zero").unwrap(), WakeFill::Zero);
     e.close().unwrap();
     assert!(matches!(e.pause(None::<&[&str]>), Err(Error::Closed)));

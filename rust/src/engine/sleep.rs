@@ -128,8 +128,7 @@ impl Engine {
                         arena: arena.clone().expect("jobs imply an arena"),
                         offset: jobs[j].offset,
                     };
-                    match self.release_to_sleep(inner, jobs[j].addr, Some(backup), &mut report)
-                    {
+                    match self.release_to_sleep(inner, jobs[j].addr, Some(backup), &mut report) {
                         Ok(()) => report.copied_bytes += jobs[j].size,
                         Err(e) => {
                             first_err.get_or_insert(e);
