@@ -494,8 +494,8 @@ def _size(nbytes: int) -> str:
 
 
 def _summary(status: dict) -> str:
-    """One line from a status dict: totals, then each tag's state (and policy where set)."""
-    tags = status["tags"]
+    """One line from a status dict: totals, then the state of each tag with allocations (and its policy if set)."""
+    tags = {name: t for name, t in status["tags"].items() if t["allocations"]}
     total = {k: sum(int(t[k]) for t in tags.values()) for k in ("mapped_bytes", "asleep_bytes", "backup_bytes")}
     parts = []
     for name, t in tags.items():
