@@ -26,7 +26,9 @@ import sys
 import tempfile
 from typing import Any, Optional
 
-from cumem_rs.bench import _copy_limit, _rss_bytes, _TmsPools, fmt_bytes, fmt_seconds, print_table, say, timed
+from cumem_rs.bench import (
+    _copy_limit, _rss_bytes, _TmsPools, fmt_bytes, fmt_seconds, print_table, say, timed, tms_child_env,
+)
 from cumem_rs.workload import KV_TAG, WEIGHTS_TAG, TorchWorkload, reference_workload, total_bytes
 
 IMPLS = ("cumem", "tms", "tms-retain")
@@ -94,17 +96,11 @@ def run_child(impl: str, args: argparse.Namespace) -> tuple[Optional[dict], str]
     modes = ["cumem"] if impl == "cumem" else ["preload", "torch"]
     why = ""
     for mode in modes:
-        env = dict(os.environ)
-        if mode == "preload":
-            try:
-                import torch_memory_saver as pkg
-
-                # Its preload hook mode intercepts cudaMalloc through LD_PRELOAD, which only a new process gets.
-                with pkg.configure_subprocess():
-                    env = dict(os.environ)
-            except Exception as e:
-                why = f"configure_subprocess: {e}"
-                continue
+        try:
+            env = tms_child_env(mode)
+        except Exception as e:
+            why = f"configure_subprocess: {e}"
+            continue
         with tempfile.TemporaryDirectory() as tmp:
             path = os.path.join(tmp, "out.json")
             cmd = [sys.executable, os.path.abspath(__file__), "--child", impl, "--hook-mode", mode,
