@@ -201,6 +201,7 @@ def test_graphs_sharing_a_torch_pool_token_share_a_pausable_pool(cumem, saver):
     for x, o in zip(xs, outs):
         torch.testing.assert_close(o, torch.tanh(x @ w))
     del graphs, outs
+    saver._release_graph_pools()  # leave no cached graph segments to later tests
 
 
 def test_disable_inside_a_region_allocates_from_torch(cumem, saver):

@@ -75,15 +75,17 @@ class AllocatorMachine(RuleBasedStateMachine):
         self.capacity = [self.a.mem_info(d)[1] for d in range(self.ndev)]
         self.model: dict[int, Rec] = {}
         self.tag_stack: list[str] = []
-        # Policies of the tags we use, as found (the CUDA allocator is process-wide: restored at teardown).
-        self.policies: dict[str, dict] = {t: self.a.tag_policy(t) for t in TAGS}
-        self.found_policies = dict(self.policies)
         # On the process-wide CUDA allocator other code may own allocations: they take part in sleep/wake like
         # ours (so the model must know them) but are never freed here.
         for r in self.a.allocations():
             rec = self._rec_from_row(r)
             rec.foreign = True
             self.model[rec.address] = rec
+        # Policies of the tags we use and of the foreign allocations' tags, as found (the CUDA allocator is
+        # process-wide: those of our tags are restored at teardown).
+        tags = set(TAGS) | {r.tag for r in self.model.values()}
+        self.policies: dict[str, dict] = {t: self.a.tag_policy(t) for t in tags}
+        self.found_policies = {t: self.policies[t] for t in TAGS}
 
     # --- plumbing ---------------------------------------------------------------------------------------------
 

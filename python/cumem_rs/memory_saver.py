@@ -18,6 +18,7 @@ naming the alternative. The README section "Switching from torch_memory_saver" l
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import threading
 from collections import defaultdict
@@ -221,10 +222,24 @@ class TorchMemorySaver:
             else:
                 slot = (key, torch.cuda.current_device())
                 if slot not in self._graph_pools:
+                    if not self._graph_pools:
+                        # Pools must be gone before interpreter teardown (torch aborts on a late pool release).
+                        atexit.register(self._release_graph_pools)
                     self._graph_pools[slot] = alloc._new_pool()
                 pool_id = _pool_key(self._graph_pools[slot].id)
             self._our_pool_ids.add(pool_id)
             return pool_id
+
+    def _release_graph_pools(self) -> None:
+        """Drop the pools standing in for torch pool tokens (once no pool block is active); graphs that still use
+        their memory keep it."""
+        from .allocator import _pool_activity
+
+        with self._lock:
+            pools = list(self._graph_pools.values())
+            self._graph_pools.clear()
+        atexit.unregister(self._release_graph_pools)
+        _pool_activity.retire(pools)
 
     @contextlib.contextmanager
     def disable(self) -> Iterator[None]:
