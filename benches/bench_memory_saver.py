@@ -11,8 +11,10 @@ Each implementation runs in its own child process (torch_memory_saver's default 
 two allocators must not share a process); each child first measures the physical limit, a pinned-host `copy_` of
 the weights' size each way, so every ratio is against a limit of the same run.
 
-Implementations: "cumem" (cumem_rs.memory_saver), "tms" (torch_memory_saver with its defaults) and "tms-retain"
-(torch_memory_saver with retain_cpu_backup=True); the torch_memory_saver ones are skipped when it is not installed.
+Implementations: "cumem" (cumem_rs.memory_saver: its steady pauses skip the weights' chunks unchanged since the
+resume, thanks to retained backups), "cumem-noretain" (the same with retained backups off, CUMEM_RS_RETAIN_BACKUPS=0:
+every pause copies every byte), "tms" (torch_memory_saver with its defaults) and "tms-retain" (torch_memory_saver
+with retain_cpu_backup=True); the torch_memory_saver ones are skipped when it is not installed.
 """
 
 from __future__ import annotations
@@ -27,23 +29,24 @@ import sys
 import tempfile
 from typing import Any, Optional
 
-from cumem_rs.bench import (
-    _copy_limit, _rss_bytes, _TmsPools, fmt_bytes, fmt_seconds, print_table, say, timed, tms_child_env,
-)
+from cumem_rs.bench.common import fmt_bytes, fmt_seconds, print_table, say, timed
+from cumem_rs.bench.limits import copy_limit
+from cumem_rs.bench.peer_tms import _rss_bytes, _TmsPools, tms_child_env
 from cumem_rs.workload import KV_TAG, WEIGHTS_TAG, TorchWorkload, reference_workload, total_bytes
 
-IMPLS = ("cumem", "tms", "tms-retain")
+IMPLS = ("cumem", "cumem-noretain", "tms", "tms-retain")
 
 
 def _saver(impl: str, hook_mode: str) -> tuple[Any, str]:
     """The torch_memory_saver object of `impl`, set up as that implementation is meant to be used, and its version."""
     from importlib.metadata import version
 
-    if impl == "cumem":
+    if impl.startswith("cumem"):
         import cumem_rs
         from cumem_rs.memory_saver import torch_memory_saver
 
-        return torch_memory_saver, f"cumem_rs {cumem_rs.__version__}"
+        off = " (retained backups off)" if impl == "cumem-noretain" else ""
+        return torch_memory_saver, f"cumem_rs {cumem_rs.__version__}{off}"
     import torch_memory_saver as pkg
 
     saver = pkg.torch_memory_saver
@@ -63,7 +66,7 @@ def child(impl: str, hook_mode: str, scale: int, kv_gib: float, cycles: int) -> 
     wbytes = total_bytes(specs, WEIGHTS_TAG)
     # The limit first, on plain torch memory that is given back before the workload exists.
     dev = torch.empty(wbytes, dtype=torch.uint8, device="cuda")
-    h2d, d2h = _copy_limit(torch, dev, wbytes)
+    h2d, d2h = copy_limit(torch, dev, wbytes)
     del dev
     torch.cuda.empty_cache()
 
@@ -101,7 +104,7 @@ def child(impl: str, hook_mode: str, scale: int, kv_gib: float, cycles: int) -> 
 
 def run_child(impl: str, args: argparse.Namespace) -> tuple[Optional[dict], str]:
     """Run `impl` in a child process; (its numbers, "") or (None, why not)."""
-    modes = ["cumem"] if impl == "cumem" else ["preload", "torch"]
+    modes = ["cumem"] if impl.startswith("cumem") else ["preload", "torch"]
     why = ""
     for mode in modes:
         try:
@@ -109,6 +112,8 @@ def run_child(impl: str, args: argparse.Namespace) -> tuple[Optional[dict], str]
         except Exception as e:
             why = f"configure_subprocess: {e}"
             continue
+        if impl == "cumem-noretain":
+            env["CUMEM_RS_RETAIN_BACKUPS"] = "0"  # every pause copies every byte, as torch_memory_saver's do
         with tempfile.TemporaryDirectory() as tmp:
             path = os.path.join(tmp, "out.json")
             cmd = [sys.executable, os.path.abspath(__file__), "--child", impl, "--hook-mode", mode,
@@ -190,7 +195,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     results: dict[str, dict] = {}
     skipped: dict[str, str] = {}
     for impl in args.impl:
-        if impl != "cumem" and importlib.util.find_spec("torch_memory_saver") is None:
+        if impl.startswith("tms") and importlib.util.find_spec("torch_memory_saver") is None:
             skipped[impl] = "torch_memory_saver is not installed"
             continue
         r, why = run_child(impl, args)

@@ -42,7 +42,7 @@ def test_policy_round_trip_and_default_clears(clean_policies):
     assert a.tag_policy("p_idle") == {"backup": False, "wake_fill": "zero"}
     assert a.status()["tags"]["p_idle"] == {
         "backup": False, "wake_fill": "zero", "allocations": 0, "mapped_bytes": 0, "asleep_bytes": 0,
-        "backup_bytes": 0, "state": "awake",
+        "backup_bytes": 0, "retained_bytes": 0, "state": "awake",
     }
     a.set_tag_policy("p_idle")  # the defaults clear it
     assert a.tag_policy("p_idle") == DEFAULT_POLICY

@@ -16,6 +16,7 @@ __all__ = [
     "ClosedError",
     "Allocator",
     "cuda_available",
+    "fingerprint_bytes",
     "is_cuda_allocator_ready",
     "ffi_errors",
     "drain_logs",
@@ -41,6 +42,9 @@ class DriverError(CumemError):
 class ClosedError(CumemError):
     """The allocator was closed; no further calls are possible."""
 
+def fingerprint_bytes(data: bytes, chunk: int) -> list[tuple[int, int]]:
+    """Host reference fingerprints of `data` in chunks of `chunk` bytes (both multiples of 16): the values the GPU
+    kernel computes for the same bytes."""
 def cuda_available() -> bool:
     """True when libcuda can be loaded and reports at least one device. Never raises."""
 
@@ -91,9 +95,11 @@ class Allocator:
         """Back up awake allocations of `offload_tags` to host memory, then release the physical memory of all
         awake allocations. None: each tag is backed up per its policy (`set_tag_policy`), and a tag without a
         backup policy only if it is "default" (so None means ("default",) while no policy is set). Returns a
-        report: {"allocations": n, "copied_bytes": bytes backed up, "discarded_bytes": bytes released without
-        backup, "zeroed_bytes": 0, "seconds": s, "gb_per_s": copied_bytes / seconds / 1e9}. Sizes are the
-        allocations' rounded (mapped) sizes."""
+        report: {"allocations": n, "copied_bytes": bytes copied to host, "skipped_bytes": bytes of retained
+        backups not copied because their chunks did not change since the wake, "chunks_checked": chunks whose
+        fingerprints were compared, "fingerprint_seconds": s, "discarded_bytes": bytes released without backup,
+        "zeroed_bytes": 0, "seconds": s, "gb_per_s": copied_bytes / seconds / 1e9}. Bytes backed up =
+        copied_bytes + skipped_bytes. Sizes are the allocations' rounded (mapped) sizes."""
     def wake_up(self, tags: Optional[Union[str, Sequence[str]]] = None) -> dict:
         """Map new physical memory at the same addresses for asleep allocations of `tags` (None = all) and copy
         backups back. Transactional: on failure nothing is woken and the backups are kept. Returns a report like
@@ -123,7 +129,16 @@ class Allocator:
     def reserve_host(self, nbytes: int) -> None:
         """Acquire and pin `nbytes` of host backup memory now, ahead of the first sleep."""
     def trim_host(self) -> int:
-        """Return cached, unused host backup memory to the OS; returns bytes released."""
+        """Drop retained backups and return cached, unused host backup memory to the OS; returns bytes released."""
+    def set_retain_backups(self, on: bool) -> None:
+        """Keep a backup bound to its allocation after the wake that restored it, so the next sleep copies only the
+        chunks whose GPU fingerprint changed (default on; env CUMEM_RS_RETAIN_BACKUPS=0). False drops them all."""
+    def retains_backups(self) -> bool:
+        """Whether wakes keep backups now: policy on, host memory kept, fingerprint kernel available."""
+    def set_fingerprint_chunk(self, nbytes: int) -> None:
+        """Bytes per fingerprinted chunk (positive multiple of 16; default 2 MiB). A change drops retained backups."""
+    def fingerprints(self, address: int, length: int) -> list[tuple[int, int]]:
+        """Driver-computed 128-bit fingerprints (lo, hi) of [address, address+length), one per chunk."""
     def errors(self) -> list[str]:
         """Errors recorded by calls that could not raise (my_free), oldest first."""
     def inject_fault(self, op: str, nth: int = 1, error: str = "unknown") -> None:
@@ -151,9 +166,10 @@ class Allocator:
         """Wake the asleep allocations of `tags` (None: every tag), all or nothing, like wake_up; resuming an
         awake tag is a no-op."""
     def status(self) -> dict:
-        """{"is_sleeping": bool, "tags": {tag: {"allocations", "mapped_bytes", "asleep_bytes", "backup_bytes",
-        "backup", "wake_fill", "state": "awake" | "asleep" | "mixed"}}}, for every tag with an allocation or a
-        policy (a tag without allocations is "awake")."""
+        """{"is_sleeping": bool, "tags": {tag: {"allocations", "mapped_bytes", "asleep_bytes", "backup_bytes"
+        (backups of asleep allocations plus retained ones), "retained_bytes" (retained backups of awake
+        allocations), "backup", "wake_fill", "state": "awake" | "asleep" | "mixed"}}}, for every tag with an
+        allocation or a policy (a tag without allocations is "awake")."""
     def read_backup(self, address: int, size: int) -> Optional[bytes]:
         """The backed-up bytes [address, address+size) of an asleep allocation; None while it is awake. Raises
         CumemError for an asleep allocation without backup, ValueError outside every allocation."""

@@ -329,7 +329,9 @@ class TorchMemorySaver:
     @property
     def retain_cpu_backup(self) -> bool:
         """Keep the pinned host backup memory after resume, for a fast next pause: cumem_rs's
-        `set_keep_host_memory`, process-wide, True by default here (False in torch_memory_saver)."""
+        `set_keep_host_memory`, process-wide, True by default here (False in torch_memory_saver). It also keeps
+        the backups bound to their allocations (retained backups: the next pause copies only changed chunks);
+        False gives the memory back after every resume, and every pause copies everything."""
         return self._allocator().native.keep_host_memory()
 
     @retain_cpu_backup.setter

@@ -84,6 +84,16 @@ impl Driver for Recording {
     fn memset_zero(&self, device: i32, addr: DevPtr, size: usize) -> Result<()> {
         self.sim.memset_zero(device, addr, size) // device memory only: no host buffer to keep alive
     }
+    fn queue_fingerprints(&self, device: i32, chunks: &[(DevPtr, usize)]) -> Result<()> {
+        let r = self.sim.queue_fingerprints(device, chunks);
+        if r.is_ok() {
+            self.push(Call::Copy(device)); // stream work like a copy, finished by the same waits
+        }
+        r
+    }
+    fn take_fingerprints(&self, device: i32) -> Result<Vec<cumem_rs::fingerprint::Fingerprint>> {
+        self.sim.take_fingerprints(device)
+    }
     fn wait(&self, device: i32) -> Result<()> {
         self.push(Call::Wait(device)); // even a failed wait ends the stream's work on CUDA (it reports the error)
         self.sim.wait(device)

@@ -6,9 +6,11 @@
 //! those buffers alive until the matching `wait` returned.
 
 pub mod cuda;
+mod cuda_fingerprint;
 pub mod sim;
 
 use crate::error::Result;
+use crate::fingerprint::Fingerprint;
 
 pub type DevPtr = u64;
 
@@ -39,10 +41,11 @@ pub enum Op {
     HostUnregister,
     HostAlloc,
     MemsetZero,
+    Fingerprint,
 }
 
 impl Op {
-    pub const ALL: [Op; 16] = [
+    pub const ALL: [Op; 17] = [
         Op::Reserve,
         Op::FreeRange,
         Op::Create,
@@ -59,6 +62,7 @@ impl Op {
         Op::HostUnregister,
         Op::HostAlloc,
         Op::MemsetZero,
+        Op::Fingerprint,
     ];
 
     pub fn name(self) -> &'static str {
@@ -79,6 +83,7 @@ impl Op {
             Op::HostUnregister => "host_unregister",
             Op::HostAlloc => "host_alloc",
             Op::MemsetZero => "memset_zero",
+            Op::Fingerprint => "fingerprint",
         }
     }
 
@@ -127,6 +132,15 @@ pub trait Driver: Send + Sync {
     /// Finish all work on `device` that may still touch its memory. `stream` is the caller's stream (0 = none);
     /// when that stream is being captured into a CUDA graph, this must not synchronize (and returns Ok).
     fn synchronize(&self, device: i32, stream: u64) -> Result<()>;
+
+    /// Queue on the copy stream of `device`, behind the copies queued so far, the fingerprints
+    /// (`crate::fingerprint`) of the device ranges `chunks` ((addr, len), len a multiple of 16). One batch per
+    /// device at a time: read it with `take_fingerprints` once the stream has passed it (after `wait`, or a
+    /// marker recorded later), before queueing the next one.
+    fn queue_fingerprints(&self, device: i32, chunks: &[(DevPtr, usize)]) -> Result<()>;
+    /// The fingerprints of the batch queued on `device`, in order. Forgets the batch, also on failure; with no
+    /// batch queued it fails.
+    fn take_fingerprints(&self, device: i32) -> Result<Vec<Fingerprint>>;
 
     /// Page-lock (pin) host memory for fast async copies.
     fn host_register(&self, ptr: HostPtr, size: usize) -> Result<()>;

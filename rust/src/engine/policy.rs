@@ -100,8 +100,10 @@ pub struct TagStatus {
     pub mapped_bytes: usize,
     /// Bytes of its asleep allocations (address range kept, no physical memory).
     pub asleep_bytes: usize,
-    /// Host backup bytes held for its asleep allocations.
+    /// Host backup bytes held for its allocations: the backups of asleep ones plus `retained_bytes`.
     pub backup_bytes: usize,
+    /// Host bytes of retained backups, kept bound to awake allocations after the wake that restored them.
+    pub retained_bytes: usize,
     pub policy: TagPolicy,
 }
 
@@ -149,7 +151,8 @@ impl Engine {
         self.sleep_targets(&mut inner, backed, bare, start)
     }
 
-    /// Per tag: allocations, mapped, asleep and backed-up bytes, policy and state; plus whether anything sleeps.
+    /// Per tag: allocations, mapped, asleep, backed-up and retained bytes, policy and state; plus whether anything
+    /// sleeps.
     pub fn status(&self) -> Result<Status> {
         let inner = self.lock_open()?;
         let mut tags: BTreeMap<String, TagStatus> = BTreeMap::new();
@@ -157,7 +160,13 @@ impl Engine {
             let t = tags.entry(a.tag.to_string()).or_default();
             t.allocations += 1;
             match &a.state {
-                State::Awake { .. } => t.mapped_bytes += a.size,
+                State::Awake { .. } => {
+                    t.mapped_bytes += a.size;
+                    if inner.retained.contains_key(&a.addr) {
+                        t.retained_bytes += a.size;
+                        t.backup_bytes += a.size;
+                    }
+                }
                 State::Asleep { backup } => {
                     t.asleep_bytes += a.size;
                     if backup.is_some() {
