@@ -13,8 +13,9 @@ impl Engine {
     ///
     /// Order: map every backed-up allocation (all devices), queue all their copies (one stream per device, so
     /// devices copy in parallel), then map the allocations without backup while those copies run, queue the
-    /// zero fills their tag policies ask for, and wait once per device. Interleaving maps with copies instead was measured to serialize two GPUs (0.61x of their
-    /// aggregate copy bandwidth): maps on one device waited for the copies already queued.
+    /// zero fills their tag policies ask for, and wait once per device. Interleaving maps with copies instead was
+    /// measured to serialize two GPUs (0.61x of their aggregate copy bandwidth): maps on one device waited for
+    /// the copies already queued.
     pub fn wake<S: AsRef<str>>(&self, tags: Option<&[S]>) -> Result<Report> {
         let start = Instant::now();
         let wanted = tags.map(tag_set);
