@@ -232,8 +232,10 @@ ACTION_OPS = {
     "write": ["synchronize", "copy_h2d", "wait"],
     "read": ["synchronize", "copy_d2h", "wait"],
     "sleep": ["synchronize", "host_register", "copy_d2h", "wait", "unmap", "release"],
-    "wake_up": ["create", "map", "set_access", "copy_h2d", "wait"],
+    "wake_up": ["create", "map", "set_access", "copy_h2d", "memset_zero", "wait"],
     "discard": ["synchronize", "unmap", "release"],
+    "pause": ["synchronize", "host_register", "copy_d2h", "wait", "unmap", "release"],
+    "resume": ["create", "map", "set_access", "copy_h2d", "memset_zero", "wait"],
 }
 
 
@@ -271,7 +273,7 @@ class FaultyMachine(AllocatorMachine):
         op = data.draw(st.sampled_from(ops) | st.sampled_from(cumem_rs.FAULT_OPS), label="op")
         nth = data.draw(st.integers(1, 3), label="nth")
         self._arm(op, nth, data.draw(st.sampled_from(cumem_rs.FAULT_ERRORS), label="error"))
-        if action in ("sleep", "wake_up", "discard"):
+        if action in ("sleep", "wake_up", "discard", "pause", "resume"):
             tags = data.draw(st.one_of(st.none(), st.sampled_from(TAGS), tag_sets), label="tags")
             if action == "discard" and tags is None:
                 tags = []
@@ -309,9 +311,9 @@ class FaultyMachine(AllocatorMachine):
                 assert r["asleep"], f"failed {what} woke {addr:#x} (wake must be transactional)"
                 assert r["backed_up"] == rec.backed_up, f"failed {what} changed the backup of {addr:#x}"
             elif r["asleep"]:
-                assert what in ("sleep", "discard"), f"failed {what} put {addr:#x} to sleep"
+                assert what in ("sleep", "pause", "discard"), f"failed {what} put {addr:#x} to sleep"
                 rec.asleep, rec.backed_up = True, r["backed_up"]
-                assert what == "sleep" or not rec.backed_up
+                assert what != "discard" or not rec.backed_up
                 if not rec.backed_up:
                     rec.forget()
 

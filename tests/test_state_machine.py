@@ -1,9 +1,10 @@
 """The allocator against a model: one hypothesis RuleBasedStateMachine, run on every backend.
 
 The model keeps, per allocation, what the allocator must agree with (address, sizes, device, tag, asleep,
-backed up) and which bytes we know (written by us and not since discarded). Rules drive alloc / free / write /
-read / tag switches / sleep / wake / discard; invariants after every step compare the allocator's own view
-(`allocations()`, `usage()`, and on the simulated driver `driver_counts()`) with the model.
+backed up) and which bytes we know (written by us and not since discarded), plus the tag policies. Rules drive
+alloc / free / write / read / tag switches / sleep / wake / discard / pause / resume / policy changes; invariants
+after every step compare the allocator's own view (`allocations()`, `usage()`, `status()`, and on the simulated
+driver `driver_counts()`) with the model.
 
 `test_faults.py` subclasses `AllocatorMachine` to add fault injection; the `_faulted` hook below is where a
 failing call is handed to it (here, every unexpected error fails the test).
@@ -30,6 +31,7 @@ from conftest import BACKENDS, STATEFUL_SETTINGS, allocator_for, live_counts
 
 TAGS = ["weights", "kv_cache", "default", "other"]
 tag_sets = st.lists(st.sampled_from(TAGS), unique=True, max_size=len(TAGS))
+DEFAULT_POLICY = {"backup": None, "wake_fill": "undefined"}
 
 
 @dataclass(eq=False)  # identity: records hold numpy arrays
@@ -85,6 +87,11 @@ class AllocatorMachine(RuleBasedStateMachine):
             rec = self._rec_from_row(r)
             rec.foreign = True
             self.model[rec.address] = rec
+        # Policies of the tags we use and of the foreign allocations' tags, as found (the CUDA allocator is
+        # process-wide: those of our tags are restored at teardown).
+        tags = set(TAGS) | {r.tag for r in self.model.values()}
+        self.policies: dict[str, dict] = {t: self.a.tag_policy(t) for t in tags}
+        self.found_policies = {t: self.policies[t] for t in TAGS}
 
     # --- plumbing ---------------------------------------------------------------------------------------------
 
@@ -270,19 +277,16 @@ class AllocatorMachine(RuleBasedStateMachine):
     def pop_tag(self):
         assert self.a.pop_tag() == self.tag_stack.pop()
 
-    @rule(offload=st.one_of(st.none(), st.sampled_from(TAGS), tag_sets))
-    def sleep(self, offload):
-        # None: call without the argument (means "default"); a str is one tag; a list is a set of tags.
-        tags = {"default"} if offload is None else {offload} if isinstance(offload, str) else set(offload)
-        awake = [r for r in self.model.values() if not r.asleep]
-        if offload is None:
-            report = self._call("sleep", self.a.sleep)
-        else:
-            report = self._call("sleep", self.a.sleep, offload)
-        if report is FAULTED:
-            return
-        backed = [r for r in awake if r.tag in tags]
-        dropped = [r for r in awake if r.tag not in tags]
+    def _backs_up(self, tag: str, call: str) -> bool:
+        """Whether a release by `call` ("pause", or "sleep" without tags) backs `tag` up, per its policy."""
+        backup = self.policies.get(tag, DEFAULT_POLICY)["backup"]
+        if backup is not None:
+            return backup
+        return call == "pause" or tag == "default"
+
+    def _released(self, report, awake: list[Rec], backed: list[Rec]) -> None:
+        """Check a sleep/pause report against the model and take over its effect."""
+        dropped = [r for r in awake if r not in backed]
         # Backed up = copied now + skipped as unchanged; only retained backups may skip anything.
         assert report["copied_bytes"] + report["skipped_bytes"] == sum(r.size for r in backed), report
         assert report["skipped_bytes"] <= sum(r.size for r in backed if r.retained), report
@@ -299,8 +303,47 @@ class AllocatorMachine(RuleBasedStateMachine):
         for r in awake:
             r.retained = r.dirty = False
 
+    @rule(offload=st.one_of(st.none(), st.sampled_from(TAGS), tag_sets))
+    def sleep(self, offload):
+        # None: call without the argument (each tag per its policy, "default" without one); a str is one tag; a
+        # list is a set of tags.
+        awake = [r for r in self.model.values() if not r.asleep]
+        if offload is None:
+            report = self._call("sleep", self.a.sleep)
+            backed = [r for r in awake if self._backs_up(r.tag, "sleep")]
+        else:
+            report = self._call("sleep", self.a.sleep, offload)
+            tags = {offload} if isinstance(offload, str) else set(offload)
+            backed = [r for r in awake if r.tag in tags]
+        if report is FAULTED:
+            return
+        self._released(report, awake, backed)
+
+    @rule(tags=st.one_of(st.none(), st.sampled_from(TAGS), tag_sets))
+    def pause(self, tags):
+        want = None if tags is None else {tags} if isinstance(tags, str) else set(tags)
+        awake = [r for r in self.model.values() if not r.asleep and (want is None or r.tag in want)]
+        report = self._call("pause", self.a.pause, tags)
+        if report is FAULTED:
+            return
+        self._released(report, awake, [r for r in awake if self._backs_up(r.tag, "pause")])
+
+    @rule(tag=st.sampled_from(TAGS), backup=st.sampled_from([None, True, False]),
+          wake_fill=st.sampled_from(["undefined", "zero"]))
+    def set_policy(self, tag, backup, wake_fill):
+        self.a.set_tag_policy(tag, backup, wake_fill)
+        self.policies[tag] = {"backup": backup, "wake_fill": wake_fill}
+
     @rule(tags=st.one_of(st.none(), st.sampled_from(TAGS), tag_sets))
     def wake_up(self, tags):
+        self._wake("wake_up", self.a.wake_up, tags)
+
+    @rule(tags=st.one_of(st.none(), st.sampled_from(TAGS), tag_sets))
+    def resume(self, tags):
+        self._wake("resume", self.a.resume, tags)
+
+    def _wake(self, what: str, fn: Callable, tags) -> None:
+        """wake_up and resume: the same all-or-nothing wake of exactly `tags` (None: all)."""
         want = None if tags is None else {tags} if isinstance(tags, str) else set(tags)
         woken = [r for r in self.model.values() if r.asleep and (want is None or r.tag in want)]
         need = [sum(r.size for r in woken if r.device == d) for d in range(self.ndev)]
@@ -308,23 +351,30 @@ class AllocatorMachine(RuleBasedStateMachine):
             need[d] > self.capacity[d] - self._model_usage(d) for d in range(self.ndev)
         )
         try:
-            report = self._call("wake_up", self.a.wake_up, tags)
+            report = self._call(what, fn, tags)
         except cumem_rs.CumemOutOfMemoryError as e:
-            assert expect_oom, f"unexpected OOM at wake: {e}"
+            assert expect_oom, f"unexpected OOM at {what}: {e}"
             return  # transactional: the model (all still asleep, backups kept) stays right
         if report is FAULTED:
             return
-        assert not expect_oom, "wake_up mapped more than the device capacity"
+        assert not expect_oom, f"{what} mapped more than the device capacity"
         restored = [r for r in woken if r.backed_up]
+        zeroed = [
+            r for r in woken if not r.backed_up and self.policies.get(r.tag, DEFAULT_POLICY)["wake_fill"] == "zero"
+        ]
         assert report["allocations"] == len(woken), report
         assert report["copied_bytes"] == sum(r.size for r in restored), report
         assert report["discarded_bytes"] == sum(r.size for r in woken if not r.backed_up), report
+        assert report["zeroed_bytes"] == sum(r.size for r in zeroed), report
         retaining = self.a.retains_backups()
         for r in woken:
             r.retained, r.dirty = retaining and r.backed_up, False
             r.asleep, r.backed_up = False, False
+        for r in zeroed:
+            r.data[:] = 0  # promised on every backend: known from now on, like written bytes
+            r.known[:] = True
         for r in woken:
-            if r in restored:
+            if r in restored or r in zeroed:
                 self._verify_known(r)
             elif self.sim and not r.foreign:
                 # The simulator promises poison for discarded memory, never silent zeros.
@@ -381,6 +431,35 @@ class AllocatorMachine(RuleBasedStateMachine):
             assert mapped == total, f"driver maps {mapped} bytes, registry says {total}"
 
     @invariant()
+    def status_matches_model(self):
+        status = self.a.status()
+        tags = status["tags"]
+        assert status["is_sleeping"] == any(r.asleep for r in self.model.values()), status
+        for tag in {r.tag for r in self.model.values()} | set(TAGS):
+            recs = [r for r in self.model.values() if r.tag == tag]
+            if not recs and tag not in tags:
+                assert self.policies[tag] == DEFAULT_POLICY, f"policy of {tag!r} missing from status()"
+                continue
+            t = dict(tags[tag])
+            # Retained backups of awake allocations count as backup bytes held; the model knows them exactly on
+            # the simulated device without fault injection (not for other code's allocations on CUDA).
+            retained = t.pop("retained_bytes")
+            t["backup_bytes"] -= retained
+            if self.sim and self.exact_skips:
+                assert retained == sum(r.size for r in recs if r.retained), f"retained bytes of {tag!r}: {retained}"
+            mapped = sum(r.size for r in recs if not r.asleep)
+            asleep = sum(r.size for r in recs if r.asleep)
+            want = {
+                "allocations": len(recs),
+                "mapped_bytes": mapped,
+                "asleep_bytes": asleep,
+                "backup_bytes": sum(r.size for r in recs if r.asleep and r.backed_up),
+                "state": "awake" if not asleep else "asleep" if not mapped else "mixed",
+                **self.policies.get(tag, DEFAULT_POLICY),
+            }
+            assert t == want, f"status of {tag!r}: allocator says {t}, model says {want}"
+
+    @invariant()
     def retained_backups_match_model(self):
         if not self.exact_skips:
             return
@@ -401,8 +480,13 @@ class AllocatorMachine(RuleBasedStateMachine):
                 assert self.a.pop_tag() == self.tag_stack.pop()
             self._teardown_checks()
         finally:
-            self.a.set_fingerprint_chunk(2 << 20)
-            self._cm.__exit__(None, None, None)
+            try:
+                if not self.a.closed:
+                    self.a.set_fingerprint_chunk(2 << 20)
+                    for tag, p in self.found_policies.items():
+                        self.a.set_tag_policy(tag, p["backup"], p["wake_fill"])
+            finally:
+                self._cm.__exit__(None, None, None)
 
     def _teardown_checks(self):
         # Wake everything (also other code's allocations on CUDA, leaving them as we found them) and check that

@@ -4,7 +4,7 @@ Addresses are plain ints (device virtual addresses; on the simulated driver they
 `mmap` reservations, which stay the same across sleep/wake exactly as on a GPU).
 """
 
-from typing import Optional, Sequence, Union, final
+from typing import Literal, Optional, Sequence, Union, final
 
 __all__ = [
     "__version__",
@@ -92,16 +92,19 @@ class Allocator:
     def current_tag(self) -> str:
         """Innermost tag of this thread, "default" when the stack is empty."""
     def sleep(self, offload_tags: Optional[Union[str, Sequence[str]]] = None) -> dict:
-        """None means ("default",). Back up awake allocations of `offload_tags` to host memory, then release the physical memory of all
-        awake allocations. Returns a report: {"allocations": n, "copied_bytes": bytes copied to host,
-        "skipped_bytes": bytes of retained backups not copied because their chunks did not change since the wake,
-        "chunks_checked": chunks whose fingerprints were compared, "fingerprint_seconds": s,
-        "discarded_bytes": bytes released without backup, "seconds": s, "gb_per_s": copied_bytes / seconds / 1e9}.
-        Bytes backed up = copied_bytes + skipped_bytes. Sizes are the allocations' rounded (mapped) sizes."""
+        """Back up awake allocations of `offload_tags` to host memory, then release the physical memory of all
+        awake allocations. None: each tag is backed up per its policy (`set_tag_policy`), and a tag without a
+        backup policy only if it is "default" (so None means ("default",) while no policy is set). Returns a
+        report: {"allocations": n, "copied_bytes": bytes copied to host, "skipped_bytes": bytes of retained
+        backups not copied because their chunks did not change since the wake, "chunks_checked": chunks whose
+        fingerprints were compared, "fingerprint_seconds": s, "discarded_bytes": bytes released without backup,
+        "zeroed_bytes": 0, "seconds": s, "gb_per_s": copied_bytes / seconds / 1e9}. Bytes backed up =
+        copied_bytes + skipped_bytes. Sizes are the allocations' rounded (mapped) sizes."""
     def wake_up(self, tags: Optional[Union[str, Sequence[str]]] = None) -> dict:
         """Map new physical memory at the same addresses for asleep allocations of `tags` (None = all) and copy
         backups back. Transactional: on failure nothing is woken and the backups are kept. Returns a report like
-        sleep's: copied_bytes restored, discarded_bytes woken without contents."""
+        sleep's: copied_bytes restored, discarded_bytes woken without contents, zeroed_bytes of those filled with
+        zeros per their tag's wake_fill policy."""
     def discard(self, tags: Union[str, Sequence[str]]) -> dict:
         """Release awake allocations of `tags` without backup (contents undefined after wake)."""
     def read(self, address: int, size: int) -> bytes:
@@ -145,3 +148,30 @@ class Allocator:
         """Simulated driver only: live ranges, handles, host registrations, mapped bytes, per-op call counts."""
     def close(self) -> None:
         """Free every allocation and host buffer. Later calls raise ClosedError. Idempotent."""
+    # -- tag policies, pause/resume, status --
+    def set_tag_policy(
+        self, tag: str, backup: Optional[bool] = None, wake_fill: Literal["undefined", "zero"] = "undefined"
+    ) -> None:
+        """Set the whole policy of `tag` (the defaults clear it). `backup`: whether a release that does not say
+        backs the tag up: `pause` always follows it (None: back up), `sleep(None)` too (None: only "default"),
+        an explicit `sleep(offload_tags)` decides itself. `wake_fill="zero"`: memory of the tag that wakes
+        without a backup comes back zeroed (device memset under the wake's copies)."""
+    def tag_policy(self, tag: str) -> dict:
+        """{"backup": bool | None, "wake_fill": "undefined" | "zero"} of `tag`."""
+    def pause(self, tags: Optional[Union[str, Sequence[str]]] = None) -> dict:
+        """Release the awake allocations of `tags` (None: every tag), backed up per their policy (unset: backed
+        up). Other tags keep their memory; only the devices holding paused allocations are synchronized.
+        Pausing a paused tag is a no-op. Returns a report like sleep's."""
+    def resume(self, tags: Optional[Union[str, Sequence[str]]] = None) -> dict:
+        """Wake the asleep allocations of `tags` (None: every tag), all or nothing, like wake_up; resuming an
+        awake tag is a no-op."""
+    def status(self) -> dict:
+        """{"is_sleeping": bool, "tags": {tag: {"allocations", "mapped_bytes", "asleep_bytes", "backup_bytes"
+        (backups of asleep allocations plus retained ones), "retained_bytes" (retained backups of awake
+        allocations), "backup", "wake_fill", "state": "awake" | "asleep" | "mixed"}}}, for every tag with an
+        allocation or a policy (a tag without allocations is "awake")."""
+    def read_backup(self, address: int, size: int) -> Optional[bytes]:
+        """The backed-up bytes [address, address+size) of an asleep allocation; None while it is awake. Raises
+        CumemError for an asleep allocation without backup, ValueError outside every allocation."""
+    def keep_host_memory(self) -> bool:
+        """The setting of `set_keep_host_memory`."""

@@ -1,9 +1,10 @@
 """CuMemAllocator: the vLLM-compatible torch layer over the process-wide CUDA allocator.
 
 Same public API and semantics as vLLM's `vllm/device_allocator/cumem.py` (`get_instance`, `default_tag`,
-`use_memory_pool`, `sleep`, `wake_up`, `get_current_usage`), plus `discard`, `cudagraph_pool`, `release_pools`
-and `close`. The memory itself is managed by the Rust core (`cumem_rs.Allocator.cuda()`); this module only routes
-torch allocations to it and works around torch's MemPool caveats:
+`use_memory_pool`, `sleep`, `wake_up`, `get_current_usage`), plus `discard`, `cudagraph_pool`, `release_pools`,
+`close`, and per-tag `set_tag_policy`, `pause`, `resume` and `status`. The memory itself is managed by the Rust
+core (`cumem_rs.Allocator.cuda()`); this module only routes torch allocations to it and works around torch's
+MemPool caveats:
 
 * Routing: one `CUDAPluggableAllocator` over our exported `my_malloc`/`my_free`, a `MemPool` over it, and
   `use_mem_pool`. The tag of an allocation is the innermost tag on the native, per-thread tag stack, pushed here
@@ -35,7 +36,7 @@ import os
 import re
 import threading
 from collections.abc import Iterable, Iterator
-from typing import Optional, Union
+from typing import Literal, Optional, Union
 
 import torch
 
@@ -62,6 +63,7 @@ _DEFAULT_SLEEP_GC = "young"
 _GiB = float(1 << 30)
 
 TagArg = Union[str, Iterable[str]]
+WakeFill = Literal["undefined", "zero"]
 
 
 # --- argument checks ---------------------------------------------------------------------------------------------
@@ -391,9 +393,10 @@ class CuMemAllocator:
 
         None means ("default",), a str one tag, an empty collection backs up nothing. Allocations already asleep
         keep their state. Returns the core report (copied, skipped-as-unchanged and discarded bytes, allocations,
-        seconds).
+        seconds). With tag policies set (`set_tag_policy`), None backs up each tag per its policy instead, and
+        "default" only while it has none.
         """
-        tags = (self.default_tag,) if offload_tags is None else _tag_tuple(offload_tags, "offload_tags")
+        tags = None if offload_tags is None else _tag_tuple(offload_tags, "offload_tags")
         self._check_open()
         # Let torch return segments whose tensors died (released pools): they are freed, not copied to host. This
         # also hands torch's own cached memory back to the driver, as upstream does after sleeping.
@@ -402,18 +405,8 @@ class CuMemAllocator:
         elif self._sleep_gc == "young":
             gc.collect(1)
         torch.cuda.empty_cache()
-        report = self._native.sleep(list(tags))
-        copied = _report_bytes(report, "copied_bytes", "backed_up")
-        skipped = _report_bytes(report, "skipped_bytes")
-        discarded = _report_bytes(report, "discarded_bytes", "discarded")
-        seconds = float(report.get("seconds", 0.0))
-        logger.info(
-            "cumem_rs: sleep backed up %d bytes (%.2f GiB) of %s (%d copied, %d unchanged since the last wake) "
-            "and discarded %d bytes (%.2f GiB); %d allocations in %.3f s (%.1f GB/s backed up)",
-            copied + skipped, (copied + skipped) / _GiB, list(tags), copied, skipped, discarded, discarded / _GiB,
-            int(report.get("allocations", 0)), seconds, _rate(copied + skipped, seconds),
-        )
-        forward_native_logs()
+        report = self._native.sleep(None if tags is None else list(tags))
+        self._log_release("sleep", "tags per policy" if tags is None else list(tags), report)
         return report
 
     def wake_up(self, tags: Optional[TagArg] = None) -> dict:
@@ -430,14 +423,7 @@ class CuMemAllocator:
             asleep = {a["tag"] for a in self._native.allocations() if a["asleep"]}
             wanted = sorted(requested | {t for t in asleep if t not in DEFERRABLE_TAGS})
         report = self._native.wake_up(wanted)
-        restored = _report_bytes(report, "copied_bytes", "restored")
-        seconds = float(report.get("seconds", 0.0))
-        logger.info(
-            "cumem_rs: wake_up restored %d bytes (%.2f GiB) for %s; %d allocations in %.3f s (%.1f GB/s)",
-            restored, restored / _GiB, "all tags" if wanted is None else wanted,
-            int(report.get("allocations", 0)), seconds, _rate(restored, seconds),
-        )
-        forward_native_logs()
+        self._log_restore("wake_up", "all tags" if wanted is None else wanted, report)
         return report
 
     def discard(self, tags: TagArg) -> dict:
@@ -453,9 +439,102 @@ class CuMemAllocator:
         forward_native_logs()
         return report
 
+    # -- tag policies, pause/resume, status --
+
+    def set_tag_policy(self, tag: str, backup: Optional[bool] = None, wake_fill: WakeFill = "undefined") -> None:
+        """Set the whole policy of `tag` ahead of time (the defaults clear it).
+
+        `backup`: whether its memory is backed up when released by a call that does not say: `pause` always
+        follows it (None: back up), `sleep()` without `offload_tags` too (None: only "default" is), while
+        `sleep(offload_tags)` decides for every tag itself. `wake_fill="zero"`: its memory that wakes without a
+        backup comes back zeroed instead of undefined (a device memset queued under the wake's copies).
+        """
+        tag = _check_tag(tag)
+        if backup is not None and not isinstance(backup, bool):
+            raise TypeError(f"backup must be a bool or None, got {type(backup).__name__}")
+        if wake_fill not in ("undefined", "zero"):
+            raise ValueError(f"wake_fill must be 'undefined' or 'zero', got {wake_fill!r}")
+        self._check_open()
+        self._native.set_tag_policy(tag, backup, wake_fill)
+
+    def pause(self, tags: Optional[TagArg] = None) -> dict:
+        """Release the awake memory of `tags` only (None: every tag), backed up per their policy (unset: backed
+        up). Other tags keep their memory and their kernels keep running; only the devices holding paused
+        memory are synchronized. Pausing a paused tag is a no-op. Returns the core report."""
+        wanted = None if tags is None else list(_tag_tuple(tags, "tags"))
+        self._check_open()
+        report = self._native.pause(wanted)
+        self._log_release("pause", "all tags" if wanted is None else wanted, report)
+        return report
+
+    def resume(self, tags: Optional[TagArg] = None) -> dict:
+        """Wake exactly `tags` (None: every tag; unlike `wake_up`, no tag wakes unasked). All or nothing, like
+        `wake_up`; resuming an awake tag is a no-op. Memory without backup comes back per its wake_fill."""
+        wanted = None if tags is None else list(_tag_tuple(tags, "tags"))
+        self._check_open()
+        report = self._native.resume(wanted)
+        self._log_restore("resume", "all tags" if wanted is None else wanted, report)
+        return report
+
+    def _log_release(self, what: str, tags: object, report: dict) -> None:
+        copied = _report_bytes(report, "copied_bytes", "backed_up")
+        skipped = _report_bytes(report, "skipped_bytes")
+        discarded = _report_bytes(report, "discarded_bytes", "discarded")
+        seconds = float(report.get("seconds", 0.0))
+        logger.info(
+            "cumem_rs: %s backed up %d bytes (%.2f GiB) of %s (%d copied, %d unchanged since the last wake) "
+            "and discarded %d bytes (%.2f GiB); %d allocations in %.3f s (%.1f GB/s backed up)",
+            what, copied + skipped, (copied + skipped) / _GiB, tags, copied, skipped, discarded, discarded / _GiB,
+            int(report.get("allocations", 0)), seconds, _rate(copied + skipped, seconds),
+        )
+        forward_native_logs()
+
+    def _log_restore(self, what: str, tags: object, report: dict) -> None:
+        restored = _report_bytes(report, "copied_bytes", "restored")
+        seconds = float(report.get("seconds", 0.0))
+        logger.info(
+            "cumem_rs: %s restored %d bytes (%.2f GiB) for %s; %d allocations in %.3f s (%.1f GB/s)",
+            what, restored, restored / _GiB, tags, int(report.get("allocations", 0)), seconds,
+            _rate(restored, seconds),
+        )
+        forward_native_logs()
+
+    def status(self) -> dict:
+        """Per tag: allocations, mapped/asleep/backup bytes, policy (backup, wake_fill) and state (awake, asleep,
+        mixed); plus `is_sleeping`. See `cumem_rs.Allocator.status`."""
+        self._check_open()
+        return self._native.status()
+
     def __repr__(self) -> str:
-        state = "closed" if self._closed else f"{self.get_current_usage()} bytes"
-        return f"<CuMemAllocator {state}>"
+        if self._closed:
+            return "<CuMemAllocator closed>"
+        return f"<CuMemAllocator {_summary(self._native.status())}>"
+
+
+def _size(nbytes: int) -> str:
+    for unit, scale in (("GiB", _GiB), ("MiB", float(1 << 20))):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.2f} {unit}"
+    return f"{nbytes} B"
+
+
+def _summary(status: dict) -> str:
+    """One line from a status dict: totals, then the state of each tag with allocations (and its policy if set)."""
+    tags = {name: t for name, t in status["tags"].items() if t["allocations"]}
+    total = {k: sum(int(t[k]) for t in tags.values()) for k in ("mapped_bytes", "asleep_bytes", "backup_bytes")}
+    parts = []
+    for name, t in tags.items():
+        policy = []
+        if t["backup"] is not None:
+            policy.append(f"backup={t['backup']}")
+        if t["wake_fill"] != "undefined":
+            policy.append(f"wake_fill={t['wake_fill']}")
+        parts.append(f"{name}={t['state']}" + (f"[{','.join(policy)}]" if policy else ""))
+    return (
+        f"{'sleeping' if status['is_sleeping'] else 'awake'}: {_size(total['mapped_bytes'])} mapped, "
+        f"{_size(total['asleep_bytes'])} asleep ({_size(total['backup_bytes'])} backed up); "
+        + (" ".join(parts) if parts else "no tags")
+    )
 
 
 __all__ = ["CUDAGRAPH_TAG", "DEFERRABLE_TAGS", "CuMemAllocator"]

@@ -213,6 +213,27 @@ impl HostBuffer {
         HostPtr(self.ptr + offset)
     }
 
+    /// Copy bytes [offset, offset + out.len()) of the buffer into `out` (reading a backup on the host).
+    pub fn read_at(&self, offset: usize, out: &mut [u8]) {
+        assert!(
+            offset
+                .checked_add(out.len())
+                .is_some_and(|end| end <= self.len),
+            "read of {} bytes at {offset} outside host buffer of {} bytes",
+            out.len(),
+            self.len
+        );
+        // SAFETY: the range lies inside our live mapping (checked above) and `out` is a distinct Rust buffer; the
+        // engine reads only complete backups (of asleep allocations), which no copy writes to any more.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                (self.ptr + offset) as *const u8,
+                out.as_mut_ptr(),
+                out.len(),
+            )
+        };
+    }
+
     /// Unpin and unmap now. When the driver refuses, the buffer comes back with the error, still mapped (and
     /// partly pinned), so that the caller can try again later instead of leaking a registration.
     pub fn release(mut self) -> std::result::Result<(), (HostBuffer, Error)> {

@@ -33,7 +33,11 @@ pub fn parse_size(text: &str) -> Option<usize> {
         'g' | 'G' => (&t[..t.len() - 1], 30),
         _ => (t, 0),
     };
-    digits.trim().parse::<usize>().ok()?.checked_mul(1usize << shift)
+    digits
+        .trim()
+        .parse::<usize>()
+        .ok()?
+        .checked_mul(1usize << shift)
 }
 
 fn meminfo_available() -> Option<usize> {
@@ -49,10 +53,10 @@ fn read_number(path: &str) -> Option<usize> {
 
 fn cgroup_available() -> Option<usize> {
     // v2: the process's own cgroup from /proc/self/cgroup ("0::/path").
-    if let Some(rel) = fs::read_to_string("/proc/self/cgroup")
-        .ok()
-        .and_then(|t| t.lines().find_map(|l| l.strip_prefix("0::").map(str::to_owned)))
-    {
+    if let Some(rel) = fs::read_to_string("/proc/self/cgroup").ok().and_then(|t| {
+        t.lines()
+            .find_map(|l| l.strip_prefix("0::").map(str::to_owned))
+    }) {
         let dir = format!("/sys/fs/cgroup{}", rel.trim_end_matches('/'));
         if let (Some(max), Some(cur)) = (
             read_number(&format!("{dir}/memory.max")),

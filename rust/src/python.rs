@@ -12,7 +12,7 @@ use pyo3::types::{PyBool, PyBytes, PyDict, PyInt, PyList, PyString};
 use crate::driver::cuda::{self, CudaDriver};
 use crate::driver::sim::{SimConfig, SimDriver, FAULT_ERRORS};
 use crate::driver::Op;
-use crate::engine::{Engine, Report};
+use crate::engine::{Engine, Report, TagPolicy, WakeFill};
 use crate::error::Error;
 use crate::{ffi, global};
 
@@ -124,6 +124,7 @@ fn report_dict<'py>(py: Python<'py>, r: &Report) -> PyResult<Bound<'py, PyDict>>
     d.set_item("allocations", r.allocations)?;
     d.set_item("copied_bytes", r.copied_bytes)?;
     d.set_item("discarded_bytes", r.discarded_bytes)?;
+    d.set_item("zeroed_bytes", r.zeroed_bytes)?;
     d.set_item("skipped_bytes", r.skipped_bytes)?;
     d.set_item("chunks_checked", r.chunks_checked)?;
     d.set_item("fingerprint_seconds", r.fingerprint_seconds)?;
@@ -280,11 +281,12 @@ impl Allocator {
         py: Python<'py>,
         offload_tags: Option<&Bound<'py, PyAny>>,
     ) -> PyResult<Bound<'py, PyDict>> {
-        let tags = match offload_tags {
-            Some(t) => tags_arg(t)?,
-            None => vec![crate::registry::DEFAULT_TAG.to_string()],
-        };
-        let r = py.detach(|| self.engine.sleep(&tags))?;
+        // None: each tag per its policy, "default" only for tags without one (vLLM's rule when none is set).
+        let tags = offload_tags.map(tags_arg).transpose()?;
+        let r = py.detach(|| match &tags {
+            Some(tags) => self.engine.sleep(tags),
+            None => self.engine.sleep_by_policy(),
+        })?;
         report_dict(py, &r)
     }
 
@@ -515,6 +517,107 @@ impl Allocator {
             s.mapped_bytes
         )
     }
+
+    // ----- tag policies, pause/resume, status (engine/policy.rs, engine/pause.rs) ---------------------------
+
+    #[pyo3(signature = (tag, backup = None, wake_fill = "undefined"))]
+    fn set_tag_policy(
+        &self,
+        py: Python<'_>,
+        tag: &Bound<'_, PyAny>,
+        backup: Option<&Bound<'_, PyAny>>,
+        wake_fill: &str,
+    ) -> PyResult<()> {
+        let tag = tag_arg(tag)?;
+        let backup = match backup {
+            None => None,
+            Some(b) => Some(b.cast::<PyBool>().map(|b| b.is_true()).map_err(|_| {
+                PyTypeError::new_err(format!(
+                    "backup must be a bool or None, not {}",
+                    type_name(b)
+                ))
+            })?),
+        };
+        let policy = TagPolicy {
+            backup,
+            wake_fill: WakeFill::parse(wake_fill)?,
+        };
+        Ok(py.detach(|| self.engine.set_tag_policy(&tag, policy))?)
+    }
+
+    fn tag_policy<'py>(
+        &self,
+        py: Python<'py>,
+        tag: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyDict>> {
+        let tag = tag_arg(tag)?;
+        let p = py.detach(|| self.engine.tag_policy(&tag))?;
+        policy_dict(py, &p)
+    }
+
+    #[pyo3(signature = (tags = None))]
+    fn pause<'py>(
+        &self,
+        py: Python<'py>,
+        tags: Option<&Bound<'py, PyAny>>,
+    ) -> PyResult<Bound<'py, PyDict>> {
+        let tags = tags.map(tags_arg).transpose()?;
+        let r = py.detach(|| self.engine.pause(tags.as_deref()))?;
+        report_dict(py, &r)
+    }
+
+    #[pyo3(signature = (tags = None))]
+    fn resume<'py>(
+        &self,
+        py: Python<'py>,
+        tags: Option<&Bound<'py, PyAny>>,
+    ) -> PyResult<Bound<'py, PyDict>> {
+        let tags = tags.map(tags_arg).transpose()?;
+        let r = py.detach(|| self.engine.resume(tags.as_deref()))?;
+        report_dict(py, &r)
+    }
+
+    fn status<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let s = py.detach(|| self.engine.status())?;
+        let tags = PyDict::new(py);
+        for (tag, t) in &s.tags {
+            let d = policy_dict(py, &t.policy)?;
+            d.set_item("allocations", t.allocations)?;
+            d.set_item("mapped_bytes", t.mapped_bytes)?;
+            d.set_item("asleep_bytes", t.asleep_bytes)?;
+            d.set_item("backup_bytes", t.backup_bytes)?;
+            d.set_item("retained_bytes", t.retained_bytes)?;
+            d.set_item("state", t.state())?;
+            tags.set_item(tag, d)?;
+        }
+        let d = PyDict::new(py);
+        d.set_item("is_sleeping", s.is_sleeping)?;
+        d.set_item("tags", tags)?;
+        Ok(d)
+    }
+
+    fn read_backup<'py>(
+        &self,
+        py: Python<'py>,
+        address: &Bound<'py, PyAny>,
+        size: &Bound<'py, PyAny>,
+    ) -> PyResult<Option<Bound<'py, PyBytes>>> {
+        let addr = address_arg(address)?;
+        let size = size_arg(size, "size", true)?;
+        let data = py.detach(|| self.engine.read_backup(addr, size))?;
+        Ok(data.map(|d| PyBytes::new(py, &d)))
+    }
+
+    fn keep_host_memory(&self, py: Python<'_>) -> bool {
+        py.detach(|| self.engine.keep_host_memory())
+    }
+}
+
+fn policy_dict<'py>(py: Python<'py>, p: &TagPolicy) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    d.set_item("backup", p.backup)?;
+    d.set_item("wake_fill", p.wake_fill.name())?;
+    Ok(d)
 }
 
 /// The host reference fingerprint of `data` (a multiple of 16 bytes) in chunks of `chunk` bytes: the same

@@ -81,6 +81,9 @@ impl Driver for Recording {
         }
         r
     }
+    fn memset_zero(&self, device: i32, addr: DevPtr, size: usize) -> Result<()> {
+        self.sim.memset_zero(device, addr, size) // device memory only: no host buffer to keep alive
+    }
     fn queue_fingerprints(&self, device: i32, chunks: &[(DevPtr, usize)]) -> Result<()> {
         let r = self.sim.queue_fingerprints(device, chunks);
         if r.is_ok() {

@@ -4,7 +4,7 @@ use std::sync::Arc;
 
 use cumem_rs::driver::sim::POISON;
 use cumem_rs::driver::{Driver, Op};
-use cumem_rs::{Engine, Error, SimConfig, SimDriver};
+use cumem_rs::{Engine, Error, SimConfig, SimDriver, TagPolicy, WakeFill};
 
 const GRAN: usize = 64 << 10;
 
@@ -240,6 +240,11 @@ fn failed_wake_keeps_backups_and_a_later_wake_succeeds() {
 
 /// One scenario touching every driver operation the engine uses.
 fn scenario(e: &Engine) -> Result<(), Error> {
+    let zero = TagPolicy {
+        backup: None,
+        wake_fill: WakeFill::Zero,
+    };
+    e.set_tag_policy("default", zero)?;
     e.push_tag("weights").unwrap();
     let w = e.malloc(2 * GRAN, 0, 0);
     e.pop_tag().unwrap();
@@ -252,7 +257,12 @@ fn scenario(e: &Engine) -> Result<(), Error> {
         panic!("offloaded data changed");
     }
     e.discard(&["default"])?;
-    e.wake(None::<&[&str]>)?;
+    e.wake(None::<&[&str]>)?; // "default" wakes zero-filled: memset_zero
+    e.pause(Some(&["weights"]))?;
+    e.resume(Some(&["weights"]))?;
+    if e.read(w, 2 * GRAN)? != pattern(5, 2 * GRAN) {
+        panic!("paused data changed");
+    }
     e.free(kv)?;
     e.free(w)?;
     e.trim_host()?;

@@ -42,17 +42,11 @@ def run(ctx: Context) -> None:
         return
     last_err = ""
     for mode in ("preload", "torch"):
-        env = dict(os.environ)
-        if mode == "preload":
-            try:
-                # Its preload hook mode intercepts cudaMalloc through LD_PRELOAD, which only a new process gets.
-                import torch_memory_saver as tms_pkg
-
-                with tms_pkg.configure_subprocess():
-                    env = dict(os.environ)
-            except Exception as e:
-                last_err = f"configure_subprocess: {e}"
-                continue
+        try:
+            env = tms_child_env(mode)
+        except Exception as e:
+            last_err = f"configure_subprocess: {e}"
+            continue
         env["PYTHONPATH"] = os.pathsep.join(p for p in (_PKG_PARENT, env.get("PYTHONPATH", "")) if p)
         with tempfile.TemporaryDirectory() as tmp:
             out = os.path.join(tmp, "tms.json")
@@ -69,6 +63,18 @@ def run(ctx: Context) -> None:
             tail = (p.stderr or p.stdout).strip().splitlines()[-1:] or [f"exit code {p.returncode}"]
             last_err = f"{mode} mode: {tail[0]}"
     m["tms_skipped"] = last_err[:200]
+
+
+def tms_child_env(mode: str) -> dict[str, str]:
+    """The environment for a child process that runs torch_memory_saver in hook `mode`: its "preload" mode
+    intercepts cudaMalloc through LD_PRELOAD, which only a new process gets. Raises when that cannot be set up."""
+    env = dict(os.environ)
+    if mode == "preload":
+        import torch_memory_saver as tms_pkg
+
+        with tms_pkg.configure_subprocess():
+            env = dict(os.environ)
+    return env
 
 
 def finish(ctx: Context) -> None:

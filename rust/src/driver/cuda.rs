@@ -445,6 +445,22 @@ impl Driver for CudaDriver {
         }
     }
 
+    fn memset_zero(&self, device: i32, addr: DevPtr, size: usize) -> Result<()> {
+        let (st, _ctx) = self.enter(device)?;
+        // 32-bit words when the size allows (it always does for granularity-rounded allocations): fewer, wider
+        // stores than the byte variant.
+        // SAFETY: [addr, addr+size) is a mapped range of ours, made accessible by set_access before this call; the
+        // fill is queued on our own copy stream and covered by the next `wait`.
+        let r = unsafe {
+            if size.is_multiple_of(4) {
+                sys::cuMemsetD32Async(addr, 0, size / 4, st.copy_stream)
+            } else {
+                sys::cuMemsetD8Async(addr, 0, size, st.copy_stream)
+            }
+        };
+        check(Op::MemsetZero.name(), r)
+    }
+
     fn wait(&self, device: i32) -> Result<()> {
         let (st, _ctx) = self.enter(device)?;
         // SAFETY: our own stream.

@@ -40,11 +40,12 @@ pub enum Op {
     HostRegister,
     HostUnregister,
     HostAlloc,
+    MemsetZero,
     Fingerprint,
 }
 
 impl Op {
-    pub const ALL: [Op; 16] = [
+    pub const ALL: [Op; 17] = [
         Op::Reserve,
         Op::FreeRange,
         Op::Create,
@@ -60,6 +61,7 @@ impl Op {
         Op::HostRegister,
         Op::HostUnregister,
         Op::HostAlloc,
+        Op::MemsetZero,
         Op::Fingerprint,
     ];
 
@@ -80,6 +82,7 @@ impl Op {
             Op::HostRegister => "host_register",
             Op::HostUnregister => "host_unregister",
             Op::HostAlloc => "host_alloc",
+            Op::MemsetZero => "memset_zero",
             Op::Fingerprint => "fingerprint",
         }
     }
@@ -117,6 +120,9 @@ pub trait Driver: Send + Sync {
     fn copy_d2h(&self, device: i32, dst: HostPtr, src: DevPtr, size: usize) -> Result<()>;
     /// Queue a host-to-device copy on the engine's copy stream of `device`.
     fn copy_h2d(&self, device: i32, dst: DevPtr, src: HostPtr, size: usize) -> Result<()>;
+    /// Queue a fill of `size` bytes at `addr` with zeros on the copy stream of `device`, after the copies queued
+    /// so far (`wait` covers it). The range must be mapped and accessible.
+    fn memset_zero(&self, device: i32, addr: DevPtr, size: usize) -> Result<()>;
     /// Wait until every copy queued on the copy stream of `device` has finished.
     fn wait(&self, device: i32) -> Result<()>;
     /// Record a marker on the copy stream of `device` after the copies queued so far.

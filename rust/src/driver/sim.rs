@@ -6,7 +6,7 @@
 //!   (as on CUDA, where mapped memory faults until cuMemSetAccess); unmap = `PROT_NONE` reservation again;
 //! - copies are memcpy, after checking the device side is mapped and accessible (CUDA fails such copies too);
 //! - fresh physical memory is filled with `POISON`, so discarded data never silently reads as zero or as the
-//!   old contents;
+//!   old contents (only an explicit `memset_zero`, asked for by a tag's wake-fill policy, zeroes it);
 //! - fault injection: the n-th next call of an operation fails with a chosen CUDA error code.
 //!
 //! This is shipped code, not a test double: users run their sleep/wake logic on it in CPU-only CI.
@@ -625,6 +625,22 @@ impl Driver for SimDriver {
         st.check_copy(Op::CopyH2D, dst, "destination", src.0, size)?;
         // SAFETY: as in copy_d2h, with the roles swapped.
         unsafe { std::ptr::copy_nonoverlapping(src.0 as *const u8, dst as *mut u8, size) };
+        Ok(())
+    }
+
+    fn memset_zero(&self, device: i32, addr: DevPtr, size: usize) -> Result<()> {
+        self.check_device(device)?;
+        let mut st = self.state.lock();
+        st.enter(Op::MemsetZero)?;
+        if !st.accessible(addr, size) {
+            return Err(Error::driver(
+                Op::MemsetZero.name(),
+                1,
+                "CUDA_ERROR_INVALID_VALUE (destination not mapped)",
+            ));
+        }
+        // SAFETY: the range is mapped read-write (checked under the lock, which unmap also takes).
+        unsafe { std::ptr::write_bytes(addr as *mut u8, 0, size) };
         Ok(())
     }
 

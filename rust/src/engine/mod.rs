@@ -1,6 +1,7 @@
 //! Every allocation state transition: malloc, free, sleep, wake, discard, with their ordering and rollback.
 //!
-//! States: Awake{handle} --sleep/discard--> Asleep{backup?} --wake--> Awake{new handle}; free from either.
+//! States: Awake{handle} --sleep/pause/discard--> Asleep{backup?} --wake/resume--> Awake{new handle}; free from
+//! either. Per-tag policies (policy.rs) choose the backup of a pause or an untargeted sleep and the fill of a wake.
 //! Guarantees (each step below says how it keeps them):
 //! - a failed malloc leaves nothing behind;
 //! - a failed sleep leaves each allocation either awake with its data or asleep with a complete backup;
@@ -10,6 +11,8 @@
 //!
 //! One mutex guards the registry: malloc/free issued while a sleep or wake runs wait until it has finished.
 
+mod pause;
+mod policy;
 mod release;
 mod retain;
 mod sleep;
@@ -28,6 +31,8 @@ use crate::fingerprint;
 use crate::host::{HostBuffer, HostPool};
 use crate::registry::{self, Allocation, Registry, State};
 
+use policy::Policies;
+pub use policy::{Status, TagPolicy, TagStatus, WakeFill};
 use release::Pending;
 use retain::Prints;
 pub use types::{AllocationInfo, Report, Stats};
@@ -52,6 +57,8 @@ struct Inner {
     closed: bool,
     /// Cell size of pipelined pinning (PIN_CHUNK; smaller in tests to exercise cells that split allocations).
     pin_chunk: usize,
+    /// Per-tag backup and wake-fill policies (policy.rs).
+    policies: Policies,
     /// Backups kept bound to awake allocations after the wake that restored them (see `retain.rs`).
     retained: HashMap<DevPtr, registry::Backup>,
     /// Chunk fingerprints of backups (of asleep allocations, and of retained ones).
@@ -90,6 +97,7 @@ impl Engine {
             stats: Stats::default(),
             closed: false,
             pin_chunk: PIN_CHUNK,
+            policies: Policies::default(),
             retained: HashMap::new(),
             prints: HashMap::new(),
             retain: std::env::var("CUMEM_RS_RETAIN_BACKUPS").map_or(true, |v| v != "0"),

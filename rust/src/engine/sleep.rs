@@ -25,18 +25,41 @@ impl Engine {
         let offload = tag_set(offload_tags);
         let mut inner = self.lock_open()?;
         self.retry_pending(&mut inner);
-        let targets = inner.reg.select(Allocation::is_awake);
+        let (backed, bare) = Self::split_awake(&inner, |_| true, |a| offload.contains(&*a.tag));
+        self.sleep_targets(&mut inner, backed, bare, start)
+    }
+
+    /// The awake allocations for which `wanted` holds, split into those to back up (`backup` holds) and the rest.
+    pub(super) fn split_awake(
+        inner: &Inner,
+        wanted: impl Fn(&Allocation) -> bool,
+        backup: impl Fn(&Allocation) -> bool,
+    ) -> (Vec<DevPtr>, Vec<DevPtr>) {
+        let (mut backed, mut bare) = (Vec::new(), Vec::new());
+        for a in inner.reg.iter().filter(|a| a.is_awake() && wanted(a)) {
+            if backup(a) { &mut backed } else { &mut bare }.push(a.addr);
+        }
+        (backed, bare)
+    }
+
+    /// Back up `backed`, then release `backed` and `bare` (awake allocations): the body of `sleep`, shared with
+    /// `pause` and `sleep_by_policy`, with the ordering and guarantees described at `sleep`.
+    pub(super) fn sleep_targets(
+        &self,
+        inner: &mut Inner,
+        mut backed: Vec<DevPtr>,
+        bare: Vec<DevPtr>,
+        start: Instant,
+    ) -> Result<Report> {
+        let targets: Vec<DevPtr> = backed.iter().chain(&bare).copied().collect();
         if targets.is_empty() {
             return Ok(Report::default());
         }
-        self.synchronize_devices(&inner, &targets)?;
-        let (mut backed, bare): (Vec<DevPtr>, Vec<DevPtr>) = targets
-            .iter()
-            .partition(|a| offload.contains(&*inner.reg.get(**a).expect("selected").tag));
+        self.synchronize_devices(inner, &targets)?;
         let mut report = Report::default();
         // Not offloaded this time: a retained backup of these would go stale.
-        Self::drop_retained(&mut inner, &bare);
-        let retained = Self::split_retained(&inner, &mut backed);
+        Self::drop_retained(inner, &bare);
+        let retained = Self::split_retained(inner, &mut backed);
 
         // 1. The host arena for the backups made now (the only step that may still return early: nothing is
         //    queued yet).
@@ -59,7 +82,7 @@ impl Engine {
 
         // 2. Fingerprint every offloaded allocation, first on the copy streams so that the result does not wait
         //    for the copies: the retained ones to find their changed chunks, all to let the next sleep skip.
-        let mut prints = self.begin_sleep_prints(&mut inner, retained, &backed);
+        let mut prints = self.begin_sleep_prints(inner, retained, &backed);
 
         // 3. Queue the backup copies. A steady (wholly pinned) arena is filled a bounded number of copies ahead,
         //    releasing each cell's finished allocations as it goes; a cold one is pinned cell by cell meanwhile.
@@ -77,7 +100,7 @@ impl Engine {
                     &buf,
                     &jobs,
                     cell_size,
-                    |cell| rel.finish(self, &mut inner, cell, &mut report, &mut first_err),
+                    |cell| rel.finish(self, inner, cell, &mut report, &mut first_err),
                 );
                 if let Err(e) = result {
                     first_err.get_or_insert(e);
@@ -95,7 +118,7 @@ impl Engine {
                 );
                 for e in absorbed {
                     Self::record(
-                        &mut inner,
+                        inner,
                         "pinning host backup memory (copying through pageable memory)",
                         &e,
                     );
@@ -111,7 +134,7 @@ impl Engine {
         }
 
         // 4. Compare the fingerprints; queue the copies of changed chunks into the retained backups.
-        let changed_queued = self.issue_changed_chunks(&mut inner, &mut prints, &mut report);
+        let changed_queued = self.issue_changed_chunks(inner, &mut prints, &mut report);
         let changed_ok = changed_queued.is_ok();
         if let Err(e) = changed_queued {
             first_err.get_or_insert(e);
@@ -119,7 +142,7 @@ impl Engine {
 
         // 5. While the copies run, release what needs no backup.
         for addr in bare {
-            if let Err(e) = self.release_to_sleep(&mut inner, addr, None, &mut report) {
+            if let Err(e) = self.release_to_sleep(inner, addr, None, &mut report) {
                 first_err.get_or_insert(e);
             }
         }
@@ -127,13 +150,13 @@ impl Engine {
         // 6. As the remaining cells finish, release the allocations whose backup is complete.
         if let Some(rel) = cells.as_mut() {
             for cell in issued {
-                rel.finish(self, &mut inner, cell, &mut report, &mut first_err);
+                rel.finish(self, inner, cell, &mut report, &mut first_err);
             }
         }
         // 7. Once their changed chunks are on the host, release the allocations with a retained backup.
-        self.finish_sleep_prints(&mut inner, prints, changed_ok, &mut report, &mut first_err);
+        self.finish_sleep_prints(inner, prints, changed_ok, &mut report, &mut first_err);
         drop(cells);
-        self.collect_unused_arenas(&mut inner);
+        self.collect_unused_arenas(inner);
         report.seconds = start.elapsed().as_secs_f64();
         log::debug!(
             "engine sleep: {} allocations, {} bytes backed up ({}), {} bytes released without backup, {:.3} s",

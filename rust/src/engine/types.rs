@@ -10,6 +10,8 @@ pub struct Report {
     pub copied_bytes: usize,
     /// Bytes released without backup (sleep, discard) or woken without contents (wake).
     pub discarded_bytes: usize,
+    /// Of the bytes woken without contents, those zero-filled per their tag's policy (wake only).
+    pub zeroed_bytes: usize,
     /// Sleep: bytes of retained backups not copied because their chunk fingerprints did not change.
     pub skipped_bytes: usize,
     /// Sleep: chunks of retained backups whose fingerprints were compared.

@@ -12,8 +12,8 @@ impl Engine {
     /// and copy their backups back. All or nothing.
     ///
     /// Order: map each backed-up allocation and queue its copy (on several devices: map them all, then queue all
-    /// the copies, one stream per device), then map the allocations without backup while those copies run, and
-    /// wait once per device.
+    /// the copies, one stream per device), then map the allocations without backup while those copies run, queue
+    /// the zero fills their tag policies ask for, and wait once per device.
     pub fn wake<S: AsRef<str>>(&self, tags: Option<&[S]>) -> Result<Report> {
         let start = Instant::now();
         let wanted = tags.map(tag_set);
@@ -65,6 +65,15 @@ impl Engine {
             for addr in &targets[backed..] {
                 mapped.push((*addr, self.map_at(&mut inner, *addr)?));
                 report.discarded_bytes += inner.reg.get(*addr).expect("selected").size;
+            }
+            // Zero what its tag's policy asks for: queued on the copy stream after the restore copies and after
+            // every map (a fill queued between maps would make later maps wait for it), covered by the wait below.
+            for addr in &targets[backed..] {
+                let a = inner.reg.get(*addr).expect("selected");
+                if inner.policies.zero_on_wake(&a.tag) {
+                    self.driver.memset_zero(a.device, a.addr, a.size)?;
+                    report.zeroed_bytes += a.size;
+                }
             }
             Ok(())
         })();

@@ -1,0 +1,380 @@
+"""torch_memory_saver's API over cumem_rs: `from cumem_rs.memory_saver import torch_memory_saver`.
+
+A drop-in for `from torch_memory_saver import torch_memory_saver` (version 0.0.10): every call and argument of
+that API is accepted, and the calls do what they do there, over `CuMemAllocator`'s machinery:
+
+* `region(tag, enable_cpu_backup)`: `CuMemAllocator.use_memory_pool(tag)`, with the tag's policy set to
+  `backup=enable_cpu_backup` (`set_tag_policy`), so that `pause` backs up exactly the regions that asked for it;
+* `pause(tag)` / `resume(tag)`: `CuMemAllocator.pause` / `resume` of that tag, or of every tag a region or graph
+  of this object used when `tag` is None;
+* `cuda_graph(...)`: `torch.cuda.graph(...)` capturing into a pool of ours under `tag`, so graph memory pauses
+  too and replays are valid after resume (addresses never change);
+* `disable()`: allocations inside go to torch's own allocator, as there.
+
+Where torch_memory_saver exits the process (a CUDA error, pausing a paused tag, an unknown tensor), this raises
+a Python exception instead; what is not implemented (disk backup) raises `NotImplementedError` at the call,
+naming the alternative. The README section "Switching from torch_memory_saver" lists every difference.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import threading
+from collections import defaultdict
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any, Literal, Optional
+
+import torch
+
+from ._native import CumemError, CumemOutOfMemoryError
+
+if TYPE_CHECKING:
+    from .allocator import CuMemAllocator
+
+HookMode = Literal["preload", "torch"]
+CpuBackupBackend = Literal["mmap", "pinned"]
+
+_TAG_DEFAULT = "default"
+_HOOK_MODES = ("preload", "torch")
+_CPU_BACKUP_BACKENDS = ("mmap", "pinned")
+_NO_DISK_BACKUP = (
+    "disk backup is not implemented by cumem_rs.memory_saver; use enable_cpu_backup=True instead (paused memory "
+    "is kept in pinned host memory and restored at resume), or leave it off for memory that may come back "
+    "undefined"
+)
+
+
+def _check_flag(value: object, name: str) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+    return value
+
+
+def _check_backup_args(enable_cpu_backup: object, enable_disk_backup: object, cpu_backup_backend: object) -> bool:
+    """Validate the backup arguments of region/cuda_graph up front; returns enable_cpu_backup."""
+    cpu = _check_flag(enable_cpu_backup, "enable_cpu_backup")
+    if _check_flag(enable_disk_backup, "enable_disk_backup"):
+        raise NotImplementedError(_NO_DISK_BACKUP)
+    if cpu_backup_backend is not None:
+        if cpu_backup_backend not in _CPU_BACKUP_BACKENDS:
+            raise ValueError(
+                f"cpu_backup_backend must be one of {_CPU_BACKUP_BACKENDS} or None, got {cpu_backup_backend!r}"
+            )
+        if not cpu:
+            raise ValueError("cpu_backup_backend requires enable_cpu_backup=True")
+    return cpu
+
+
+def _pool_key(pool: object) -> tuple[int, int]:
+    """A graph pool token (from torch.cuda.graph_pool_handle() or CUDAGraph.pool()) as a hashable tuple."""
+    if isinstance(pool, (tuple, list)) and len(pool) == 2 and all(isinstance(v, int) for v in pool):
+        return (int(pool[0]), int(pool[1]))
+    raise TypeError(
+        f"pool must be a graph pool token (torch.cuda.graph_pool_handle() or CUDAGraph.pool()), got {pool!r}"
+    )
+
+
+@contextlib.contextmanager
+def configure_subprocess() -> Iterator[None]:
+    """torch_memory_saver sets LD_PRELOAD for child processes here; cumem_rs needs no preloading (it hooks
+    allocations through torch's pluggable allocator in each process), so this does nothing."""
+    yield
+
+
+class TorchMemorySaver:
+    """The API of torch_memory_saver 0.0.10 over `CuMemAllocator`. Use the module's `torch_memory_saver`."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._alloc: Optional[CuMemAllocator] = None
+        self._hook_mode: HookMode = "preload"
+        self._memory_margin_bytes = 0
+        # Every tag a region or graph of this object used, with its enable_cpu_backup (one setting per tag).
+        self._tags: dict[str, bool] = {}
+        # Our pools standing in for graph pool tokens of torch's own pools, per (token, device), and the tokens of
+        # our pools (what CUDAGraph.pool() returns after a capture here), which are used as they are.
+        self._graph_pools: dict[tuple[tuple[int, int], int], Any] = {}
+        self._our_pool_ids: set[tuple[int, int]] = set()
+
+    # -- set-up ---------------------------------------------------------------------------------------------------
+
+    def _allocator(self) -> "CuMemAllocator":
+        """The process-wide CuMemAllocator, created on first use (raises CumemError without a usable GPU)."""
+        if self._alloc is None:
+            from .allocator import CuMemAllocator
+
+            self._alloc = CuMemAllocator.get_instance()
+        return self._alloc
+
+    def _use_tag(self, alloc: "CuMemAllocator", tag: str, cpu_backup: bool) -> None:
+        """Record that `tag` holds memory with (or without) CPU backup and set its policy the first time."""
+        with self._lock:
+            known = self._tags.get(tag)
+            if known is not None and known != cpu_backup:
+                raise ValueError(
+                    f"tag {tag!r} was already used with enable_cpu_backup={known}; cumem_rs keeps one backup setting "
+                    f"per tag, so use another tag for memory {'with' if cpu_backup else 'without'} CPU backup"
+                )
+            if known is None:
+                # Keep a wake_fill set ahead through CuMemAllocator.set_tag_policy; only the backup is ours to set.
+                fill = alloc.native.tag_policy(tag)["wake_fill"]
+                alloc.set_tag_policy(tag, backup=cpu_backup, wake_fill=fill)
+                self._tags[tag] = cpu_backup
+
+    def _tags_of(self, tag: Optional[str]) -> list[str]:
+        """The tags a pause/resume acts on: `tag`, or every tag this object used."""
+        if tag is not None:
+            from .allocator import _check_tag
+
+            return [_check_tag(tag)]
+        with self._lock:
+            return sorted(self._tags)
+
+    # -- regions --------------------------------------------------------------------------------------------------
+
+    def region(
+        self,
+        tag: str = _TAG_DEFAULT,
+        enable_cpu_backup: bool = False,
+        enable_disk_backup: bool = False,
+        cpu_backup_backend: Optional[CpuBackupBackend] = None,
+    ) -> contextlib.AbstractContextManager[None]:
+        """Allocate the tensors created on this thread inside the block under `tag`, pausable. With
+        `enable_cpu_backup` their contents are copied to host memory at pause and restored at resume; without,
+        they come back undefined. `cpu_backup_backend` ("pinned" or "mmap") is accepted: backups here are always
+        mmap'd host memory pinned for fast copies. Disk backup raises NotImplementedError (use CPU backup)."""
+        from .allocator import _check_tag
+
+        _check_tag(tag)
+        cpu = _check_backup_args(enable_cpu_backup, enable_disk_backup, cpu_backup_backend)
+        return self._region(tag, cpu)
+
+    @contextlib.contextmanager
+    def _region(self, tag: str, cpu_backup: bool) -> Iterator[None]:
+        alloc = self._allocator()
+        self._use_tag(alloc, tag, cpu_backup)
+        with alloc.use_memory_pool(tag):
+            yield
+
+    def cuda_graph(
+        self,
+        cuda_graph: torch.cuda.CUDAGraph,
+        pool: Optional[Any] = None,
+        stream: Optional[torch.cuda.Stream] = None,
+        capture_error_mode: str = "global",
+        tag: str = _TAG_DEFAULT,
+        enable_cpu_backup: bool = False,
+        cpu_backup_backend: Optional[CpuBackupBackend] = None,
+    ) -> contextlib.AbstractContextManager[None]:
+        """`torch.cuda.graph(cuda_graph, pool, stream, capture_error_mode)` whose memory is pausable under `tag`.
+
+        pool=None gives the graph a pool of its own (as torch does); a pool token from an earlier capture here
+        (`CUDAGraph.pool()`) is shared as it is; a token of one of torch's own pools
+        (`torch.cuda.graph_pool_handle()`) is replaced by one pool of ours per token and device, so graphs that
+        shared the token still share memory. Replays are valid after resume: addresses never change."""
+        from .allocator import _check_tag
+
+        _check_tag(tag)
+        cpu = _check_backup_args(enable_cpu_backup, False, cpu_backup_backend)
+        key = None if pool is None else _pool_key(pool)
+        return self._cuda_graph(cuda_graph, key, stream, capture_error_mode, tag, cpu)
+
+    @contextlib.contextmanager
+    def _cuda_graph(
+        self,
+        cuda_graph: torch.cuda.CUDAGraph,
+        key: Optional[tuple[int, int]],
+        stream: Optional[torch.cuda.Stream],
+        capture_error_mode: str,
+        tag: str,
+        cpu_backup: bool,
+    ) -> Iterator[None]:
+        from .allocator import _pool_activity
+
+        alloc = self._allocator()
+        self._use_tag(alloc, tag, cpu_backup)
+        fresh: list = []  # a pool made for this capture alone: retired after it (the graph keeps what it uses)
+        _pool_activity.enter()
+        try:
+            pool_id = self._graph_pool_id(alloc, key, fresh)
+            alloc.native.push_tag(tag)
+            try:
+                # torch types these more narrowly than it accepts them (and checks them itself).
+                token: Any = pool_id
+                mode: Any = capture_error_mode
+                with torch.cuda.graph(cuda_graph, pool=token, stream=stream, capture_error_mode=mode):
+                    yield
+            finally:
+                alloc.native.pop_tag()
+        finally:
+            _pool_activity.exit(fresh)
+
+    def _graph_pool_id(
+        self, alloc: "CuMemAllocator", key: Optional[tuple[int, int]], fresh: list
+    ) -> tuple[int, int]:
+        with self._lock:
+            if key is None:
+                fresh.append(alloc._new_pool())
+                pool_id = _pool_key(fresh[0].id)
+            elif key in self._our_pool_ids:
+                return key
+            else:
+                slot = (key, torch.cuda.current_device())
+                if slot not in self._graph_pools:
+                    if not self._graph_pools:
+                        # Pools must be gone before interpreter teardown (torch aborts on a late pool release).
+                        atexit.register(self._release_graph_pools)
+                    self._graph_pools[slot] = alloc._new_pool()
+                pool_id = _pool_key(self._graph_pools[slot].id)
+            self._our_pool_ids.add(pool_id)
+            return pool_id
+
+    def _release_graph_pools(self) -> None:
+        """Drop the pools standing in for torch pool tokens (once no pool block is active); graphs that still use
+        their memory keep it."""
+        from .allocator import _pool_activity
+
+        with self._lock:
+            pools = list(self._graph_pools.values())
+            self._graph_pools.clear()
+        atexit.unregister(self._release_graph_pools)
+        _pool_activity.retire(pools)
+
+    @contextlib.contextmanager
+    def disable(self) -> Iterator[None]:
+        """Inside the block, allocations on this thread go to torch's own caching allocator (a private pool of
+        it), not to the enclosing region; tensors made here are never paused."""
+        from .allocator import _pool_activity
+
+        pools: list = []  # emptied by _pool_activity.exit: dropped once no pool block is active
+        _pool_activity.enter()
+        try:
+            pools.append(torch.cuda.MemPool())
+            with torch.cuda.use_mem_pool(pools[0]):
+                yield
+        finally:
+            _pool_activity.exit(pools)
+
+    # -- pause / resume -------------------------------------------------------------------------------------------
+
+    def pause(self, tag: Optional[str] = None) -> None:
+        """Release the GPU memory of `tag` (None: every tag a region or graph here used), copying regions with
+        CPU backup to host memory first. Other tags keep running. Pausing a paused tag does nothing."""
+        tags = self._tags_of(tag)
+        alloc = self._allocator()
+        if tags:
+            alloc.pause(tags)
+
+    def resume(self, tag: Optional[str] = None) -> None:
+        """Map GPU memory at the same addresses again for `tag` (None: every tag used here) and restore CPU
+        backups; all or nothing. Refuses with CumemOutOfMemoryError, mapping nothing, when the free device memory
+        left afterwards would be below `memory_margin_bytes`."""
+        tags = self._tags_of(tag)
+        alloc = self._allocator()
+        if not tags:
+            return
+        if self._memory_margin_bytes > 0:
+            self._check_margin(alloc, tags)
+        alloc.resume(tags)
+
+    def _check_margin(self, alloc: "CuMemAllocator", tags: list[str]) -> None:
+        need: dict[int, int] = defaultdict(int)
+        wanted = set(tags)
+        for a in alloc.native.allocations():
+            if a["asleep"] and a["tag"] in wanted:
+                need[int(a["device"])] += int(a["size"])
+        for device, nbytes in sorted(need.items()):
+            free = alloc.native.mem_info(device)[0]
+            if free - nbytes < self._memory_margin_bytes:
+                raise CumemOutOfMemoryError(
+                    f"resume of {tags} needs {nbytes} bytes on device {device}, which would leave "
+                    f"{max(free - nbytes, 0)} of {free} free bytes, below memory_margin_bytes="
+                    f"{self._memory_margin_bytes}; nothing was resumed"
+                )
+
+    # -- settings -------------------------------------------------------------------------------------------------
+
+    @property
+    def enabled(self) -> bool:
+        """Always True (as in torch_memory_saver)."""
+        return True
+
+    @property
+    def hook_mode(self) -> HookMode:
+        """Accepted for compatibility and without effect: cumem_rs always hooks allocations through torch's
+        pluggable allocator (torch_memory_saver's "torch" mode, but with pausable CUDA graphs as in "preload"),
+        so no LD_PRELOAD is needed."""
+        return self._hook_mode
+
+    @hook_mode.setter
+    def hook_mode(self, value: HookMode) -> None:
+        if value not in _HOOK_MODES:
+            raise ValueError(f"hook_mode must be one of {_HOOK_MODES}, got {value!r}")
+        self._hook_mode = value
+
+    @property
+    def memory_margin_bytes(self) -> int:
+        """Free device memory that `resume` must leave (0: no check)."""
+        return self._memory_margin_bytes
+
+    @memory_margin_bytes.setter
+    def memory_margin_bytes(self, value: int) -> None:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"memory_margin_bytes must be an int, got {type(value).__name__}")
+        if value < 0:
+            raise ValueError(f"memory_margin_bytes must be non-negative, got {value}")
+        self._memory_margin_bytes = value
+
+    @property
+    def retain_cpu_backup(self) -> bool:
+        """Keep the pinned host backup memory after resume, for a fast next pause: cumem_rs's
+        `set_keep_host_memory`, process-wide, True by default here (False in torch_memory_saver). It also keeps
+        the backups bound to their allocations (retained backups: the next pause copies only changed chunks);
+        False gives the memory back after every resume, and every pause copies everything."""
+        return self._allocator().native.keep_host_memory()
+
+    @retain_cpu_backup.setter
+    def retain_cpu_backup(self, value: bool) -> None:
+        self._allocator().native.set_keep_host_memory(_check_flag(value, "retain_cpu_backup"))
+
+    def set_disk_backup_dir(self, path: str) -> None:
+        """Not implemented: raises NotImplementedError (use enable_cpu_backup=True)."""
+        raise NotImplementedError(_NO_DISK_BACKUP)
+
+    # -- backups --------------------------------------------------------------------------------------------------
+
+    def get_cpu_backup(self, x: torch.Tensor, zero_copy: bool = False) -> Optional[torch.Tensor]:
+        """A CPU tensor (same dtype, shape and strides) with the backed-up contents of the paused CUDA tensor `x`;
+        None while `x` is not paused. Raises CumemError when `x` was paused without CPU backup and ValueError when
+        it is not memory of a region. `zero_copy=True` is accepted but still returns a copy: a view into the
+        backup would dangle once resume hands that host memory to the next pause."""
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"get_cpu_backup needs a torch.Tensor, got {type(x).__name__}")
+        if not x.is_cuda:
+            raise ValueError(f"get_cpu_backup needs a CUDA tensor, got one on {x.device}")
+        if not x.is_contiguous():
+            raise ValueError(
+                f"get_cpu_backup needs a contiguous tensor (shape {tuple(x.shape)}, strides {x.stride()})"
+            )
+        _check_flag(zero_copy, "zero_copy")
+        nbytes = x.numel() * x.element_size()
+        ptr = x.data_ptr()
+        try:
+            # At least one byte: an empty tensor still answers whether its allocation is paused.
+            data = self._allocator().native.read_backup(ptr, max(nbytes, 1))
+        except ValueError as e:
+            raise ValueError(f"tensor at {ptr:#x} ({nbytes} bytes) is not memory of a region: {e}") from e
+        except CumemError as e:
+            raise CumemError(f"tensor at {ptr:#x} was paused without CPU backup: {e}") from e
+        if data is None:
+            return None
+        if nbytes == 0:
+            return torch.empty(x.shape, dtype=x.dtype)
+        return torch.frombuffer(bytearray(data), dtype=torch.uint8).view(x.dtype).view(x.shape)
+
+
+#: The process-wide saver, as `torch_memory_saver.torch_memory_saver`.
+torch_memory_saver = TorchMemorySaver()
+
+__all__ = ["CpuBackupBackend", "HookMode", "TorchMemorySaver", "configure_subprocess", "torch_memory_saver"]
