@@ -9,7 +9,8 @@
 #   scripts/vllm_files.sh [DEST [PYTHON_VERSION]]      DEST defaults to .vllm_src (ignored by git)
 #
 # These modules also import `regex` and `psutil`. With PYTHON_VERSION (e.g. 3.12) their wheels for that Python are
-# unpacked into DEST as well, for a machine that lacks them and has no network; without it, pip-install them.
+# unpacked into DEST/deps as well, for a machine that lacks them and has no network (the tests put DEST/deps after
+# the installed packages, so an installed copy wins); without it, pip-install them.
 # Needs network (or pip's cache) and pip; PYTHON selects the interpreter that runs pip (default python3).
 set -euo pipefail
 VLLM_VERSION=0.33.0
@@ -61,7 +62,7 @@ with zipfile.ZipFile(wheel) as z:
     z.extractall(dest, names)
 for dep in sorted((tmp / "deps").glob("*.whl")):
     with zipfile.ZipFile(dep) as z:
-        z.extractall(dest, [n for n in z.namelist() if ".dist-info/" not in n])
+        z.extractall(dest / "deps", [n for n in z.namelist() if ".dist-info/" not in n])
 (dest / "VLLM_VERSION").write_text(version + "\n")
 size = sum(f.stat().st_size for f in dest.rglob("*") if f.is_file())
 print(f"vllm {version}: {len(names)} files, {size / 2**20:.1f} MiB in {dest}")

@@ -1,6 +1,7 @@
 """cumem_rs as vLLM's sleep-mode backend, checked against vLLM 0.33.0's own modules.
 
-vLLM's modules come from `.vllm_src` (`scripts/vllm_files.sh`; `scripts/dev.sh test` fetches them): its sleep-mode
+vLLM's modules come from `.vllm_src` (`scripts/vllm_files.sh`; `scripts/dev.sh test` fetches them; the environment
+variable CUMEM_TEST_VLLM_SRC names another place, e.g. for tests run outside the source tree): its sleep-mode
 backend registry, allocator, plugin loader and platform layer, without compiled extensions (as a vLLM build without
 CUDA has them). Importing vLLM changes process-wide state (environment variables torch reads, inductor patches), so
 every check that imports it runs in a child Python with `.vllm_src` on its PYTHONPATH; the rest of the suite never
@@ -29,22 +30,23 @@ import cumem_rs
 import cumem_rs.vllm_plugin
 
 ROOT = Path(__file__).resolve().parent.parent
-VLLM_SRC = ROOT / ".vllm_src"
+VLLM_SRC = Path(os.environ.get("CUMEM_TEST_VLLM_SRC") or ROOT / ".vllm_src")
 HAS_CUDA = cumem_rs.cuda_available()
 
 
 def _missing() -> str:
     if not (VLLM_SRC / "VLLM_VERSION").is_file():
-        return "vLLM's modules are not in .vllm_src (scripts/dev.sh test fetches them: scripts/vllm_files.sh)"
+        return f"vLLM's modules are not in {VLLM_SRC} (scripts/dev.sh test fetches them: scripts/vllm_files.sh)"
     for module in ("regex", "psutil"):
-        if importlib.util.find_spec(module) is None and not (VLLM_SRC / module).is_dir():
+        if importlib.util.find_spec(module) is None and not (VLLM_SRC / "deps" / module).is_dir():
             return f"{module!r}, which vLLM's modules import, is not installed (pip install regex psutil)"
     return ""
 
 
-pytestmark = pytest.mark.skipif(bool(_missing()), reason=_missing() or "-")
+needs_vllm = pytest.mark.skipif(bool(_missing()), reason=_missing() or "-")
 
-# Shared by every child: helpers over the plugin and vLLM's allocator class.
+# Shared by every child: helpers over the plugin and vLLM's allocator class. The first line (see _child) appends
+# DEST/deps of scripts/vllm_files.sh to sys.path: after the installed packages, which win.
 PRELUDE = '''
 import inspect, logging, os, sys
 from types import SimpleNamespace
@@ -82,7 +84,8 @@ def _child(code: str, vllm_path: Path = VLLM_SRC, timeout: float = 600) -> str:
     env = dict(os.environ)
     env.pop(cumem_rs.vllm_plugin.ENV_VAR, None)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(vllm_path), env.get("PYTHONPATH", "")) if p)
-    r = subprocess.run([sys.executable, "-c", PRELUDE + textwrap.dedent(code)], cwd=ROOT, env=env,
+    deps = f"import sys; sys.path.append({str(vllm_path / 'deps')!r})\n"
+    r = subprocess.run([sys.executable, "-c", deps + PRELUDE + textwrap.dedent(code)], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=timeout)
     assert r.returncode == 0, f"child failed ({r.returncode}):\n{r.stdout}\n{r.stderr[-6000:]}"
     return r.stdout
@@ -95,6 +98,7 @@ def test_entry_point_is_in_the_installed_metadata() -> None:
     )
 
 
+@needs_vllm
 def test_vllm_sources_hold_what_the_plugin_relies_on() -> None:
     """What the plugin assumes about vLLM modules that cannot be imported here (they need vLLM's full dependencies)."""
 
@@ -124,6 +128,7 @@ def test_vllm_sources_hold_what_the_plugin_relies_on() -> None:
     assert "CuMemAllocator.get_instance()" in ast.unparse(getter)
 
 
+@needs_vllm
 def test_vllm_loads_the_plugin_and_resolves_the_backend() -> None:
     _child('''
         import torch
@@ -189,6 +194,7 @@ def test_vllm_loads_the_plugin_and_resolves_the_backend() -> None:
     ''')
 
 
+@needs_vllm
 def test_allocator_routing_follows_the_selection() -> None:
     _child('''
         import types
@@ -265,6 +271,7 @@ def test_allocator_routing_follows_the_selection() -> None:
     ''')
 
 
+@needs_vllm
 def test_wraps_apply_to_vllm_modules_imported_before_the_plugin() -> None:
     _child('''
         import vllm.device_allocator.cumem as vllm_cumem
@@ -278,6 +285,7 @@ def test_wraps_apply_to_vllm_modules_imported_before_the_plugin() -> None:
     ''')
 
 
+@needs_vllm
 def test_older_vllm_without_the_backend_registry(tmp_path: Path) -> None:
     # The same vLLM modules minus the registry: what the plugin finds in vLLM < 0.33.
     old = tmp_path / "vllm_src"
@@ -306,9 +314,10 @@ def test_older_vllm_without_the_backend_registry(tmp_path: Path) -> None:
     assert "does nothing" in out
 
 
+@needs_vllm
 @pytest.mark.skipif(not HAS_CUDA, reason="no CUDA device (cuda_available() is False)")
 def test_worker_call_sequence_on_gpu() -> None:
-    _child('''
+    print(_child('''
         import torch
         import vllm.platforms
 
@@ -396,7 +405,7 @@ def test_worker_call_sequence_on_gpu() -> None:
         kv_cache.fill_(1)  # discarded at sleep: refilled before use
         graph.replay()
         torch.cuda.synchronize()
-        assert torch.equal(y, y_ref)
+        torch.testing.assert_close(y, y_ref)
 
         backend.discard(("kv_cache",))
         assert asleep() == {"kv_cache"} and backend.state() == "SUSPENDED"
@@ -411,7 +420,7 @@ def test_worker_call_sequence_on_gpu() -> None:
             w.copy_(r)
         graph.replay()
         torch.cuda.synchronize()
-        assert torch.equal(y, y_ref)
+        torch.testing.assert_close(y, y_ref)
         assert vllm.device_allocator.cumem.CuMemAllocator.instance is None  # vLLM's own allocator never used
         print("worker sequence ok")
-    ''')
+    '''))
