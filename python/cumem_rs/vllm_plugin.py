@@ -20,8 +20,9 @@ Where the selection is read (`selected()`, first answer wins):
    that choice cannot rely on (2). The worker's constructor (`WorkerBase.__init__`) runs earlier, in every worker
    process, and is the first point where the selection is known there: it is noted then.
 
-`register()` imports no vLLM module beyond the backend registry and never touches CUDA: the two wraps (of
-`CuMemAllocator.get_instance` and `WorkerBase.__init__`) are applied when vLLM itself imports those modules.
+`register()` imports no vLLM module beyond the backend registry and its package (`vllm.device_allocator`, which
+vLLM's own backend needs too) and never initializes CUDA: the two wraps (of `CuMemAllocator.get_instance` and
+`WorkerBase.__init__`) are applied when vLLM itself imports those modules.
 """
 
 from __future__ import annotations
