@@ -385,7 +385,8 @@ def test_worker_call_sequence_on_gpu() -> None:
             free_before = torch.cuda.mem_get_info()[0]
             backend.suspend(level)
             freed = torch.cuda.mem_get_info()[0] - free_before
-            assert freed >= 0.99 * held, (level, freed, held)
+            # Slack: a sleep may load cumem_rs's fingerprint kernel and its staging buffer onto the device.
+            assert freed >= held - 32 * MiB, (level, freed, held)
             records = allocator.native.allocations()
             assert all(a["asleep"] for a in records)
             assert {a["tag"] for a in records if a["backed_up"]} == kept, records
