@@ -21,7 +21,10 @@ PYTHON=${PYTHON:-python3}
 TMP=$(mktemp -d)
 trap 'rm -rf "$TMP"' EXIT
 
-"$PYTHON" -m pip download -q --no-deps --only-binary=:all: "vllm==$VLLM_VERSION" -d "$TMP/vllm"
+# Only its .py files are taken, so the wheel's own tags need not fit this machine (vLLM needs Python >= 3.11 and
+# glibc 2.28).
+"$PYTHON" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+  --platform manylinux_2_28_x86_64 "vllm==$VLLM_VERSION" -d "$TMP/vllm"
 if [ -n "$PYVER" ]; then
   "$PYTHON" -m pip download -q --no-deps --only-binary=:all: --python-version "$PYVER" \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \

@@ -35,6 +35,8 @@ HAS_CUDA = cumem_rs.cuda_available()
 
 
 def _missing() -> str:
+    if sys.version_info < (3, 11):
+        return "vLLM 0.33.0 needs Python >= 3.11"
     if not (VLLM_SRC / "VLLM_VERSION").is_file():
         return f"vLLM's modules are not in {VLLM_SRC} (scripts/dev.sh test fetches them: scripts/vllm_files.sh)"
     for module in ("regex", "psutil"):
