@@ -24,6 +24,19 @@ setup() {
   fi
 }
 
+# vLLM 0.33.0's own modules for tests/test_vllm_plugin.py, fetched once into .vllm_src (outside the venv: see
+# scripts/vllm_files.sh), and the two modules they import. Never fatal: without them those tests skip, saying why.
+vllm_files() {
+  if [ ! -f .vllm_src/VLLM_VERSION ]; then
+    PYTHON="$PY" scripts/vllm_files.sh .vllm_src ||
+      echo "warning: could not fetch vLLM's modules; tests/test_vllm_plugin.py will skip" >&2
+  fi
+  if ! "$PY" -c "import regex, psutil" >/dev/null 2>&1; then
+    "$PY" -m pip install -q regex psutil ||
+      echo "warning: could not install regex and psutil; tests/test_vllm_plugin.py will skip" >&2
+  fi
+}
+
 build() {
   setup
   VIRTUAL_ENV="$PWD/$VENV" PATH="$PWD/$VENV/bin:$PATH" "$VENV/bin/maturin" develop --release -q
@@ -117,6 +130,7 @@ case "${1:-}" in
     # The embedded PTX must be what its CUDA C source compiles to (NVRTC 12.0: PTX ISA 8.0, no GPU needed).
     "$PY" scripts/gen_ptx.py --find >/dev/null 2>&1 || "$PY" -m pip install -q "nvidia-cuda-nvrtc-cu12==12.0.*"
     "$PY" scripts/gen_ptx.py --check
+    vllm_files
     cargo test --no-default-features
     "$PY" -m pytest -q tests
     # The release wheel, installed, on the simulated device (GPU hidden: the GPU suite ran in-tree above).

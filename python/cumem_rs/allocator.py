@@ -1,7 +1,8 @@
 """CuMemAllocator: the vLLM-compatible torch layer over the process-wide CUDA allocator.
 
 Same public API and semantics as vLLM's `vllm/device_allocator/cumem.py` (`get_instance`, `default_tag`,
-`use_memory_pool`, `sleep`, `wake_up`, `get_current_usage`), plus `discard`, `cudagraph_pool`, `release_pools`,
+`use_memory_pool`, `sleep`, `wake_up`, `get_current_usage`, `discard`; the `MemAllocator` protocol of
+`vllm/device_allocator/__init__.py`), plus `cudagraph_pool` (alias `use_cudagraph_pool`), `release_pools`,
 `close`, and per-tag `set_tag_policy`, `pause`, `resume` and `status`. The memory itself is managed by the Rust
 core (`cumem_rs.Allocator.cuda()`); this module only routes torch allocations to it and works around torch's
 MemPool caveats:
@@ -46,7 +47,8 @@ from .logs import forward_native_logs
 
 logger = logging.getLogger("cumem_rs")
 
-#: Tags whose wake-up may be deferred: `wake_up(tags)` limits only these; every other asleep tag always wakes.
+#: Tags whose wake-up may be deferred: `wake_up(tags)` limits only these; every other asleep tag always wakes (vLLM's
+#: "runtime", "workspace" and "cudagraph" among them).
 DEFERRABLE_TAGS = frozenset({"weights", "kv_cache"})
 #: Default tag of `cudagraph_pool`.
 CUDAGRAPH_TAG = "cudagraph"
@@ -355,6 +357,9 @@ class CuMemAllocator:
                 self._native.pop_tag()
         finally:
             _pool_activity.exit([])
+
+    #: The name newer vLLM uses for `cudagraph_pool`.
+    use_cudagraph_pool = cudagraph_pool
 
     def release_pools(self) -> None:
         """Drop the pools this object holds (those of `cudagraph_pool`) and let torch return every unused segment of
