@@ -39,11 +39,13 @@ impl Engine {
             let a = inner.reg.get(*a).expect("selected");
             (a.device, a.addr, a.size)
         }));
-        let mut issued = Vec::new();
         let mut arena = None;
+        // After `arena`, so that it is dropped (waiting for every queued copy) first, panics included.
+        let mut issued = None;
         let mut first_err = None;
         let mut cold = false;
         if total > 0 {
+            inner.largest_backup = inner.largest_backup.max(total);
             let mut buf = match inner.host.take_cached(total) {
                 Some(buf) => buf,
                 None => {
@@ -67,10 +69,13 @@ impl Engine {
                     &e,
                 );
             }
+            for e in std::mem::take(&mut buf.notes) {
+                Self::record(&mut inner, super::THREAD_REFUSED, &e);
+            }
             if let Err(e) = result {
                 first_err = Some(e);
             }
-            issued = cells;
+            issued = Some(cells);
             let buf = Arc::new(buf);
             inner.arenas.push(buf.clone());
             arena = Some(buf);
@@ -91,14 +96,14 @@ impl Engine {
             .map(|j| (j.offset + j.size - 1) / cell_size - j.offset / cell_size + 1)
             .collect();
         let mut copies_ok = true;
-        for cell in issued {
-            for (device, marker) in cell.markers {
-                if let Err(e) = self.driver.wait_marker(device, marker) {
-                    copies_ok = false; // release nothing more, but drain every marker
-                    first_err.get_or_insert(e);
-                }
+        while let Some((cell_jobs, waited)) =
+            issued.as_mut().and_then(transfer::InFlight::next_cell)
+        {
+            if let Err(e) = waited {
+                copies_ok = false; // release nothing more, but wait for every cell
+                first_err.get_or_insert(e);
             }
-            for j in cell.jobs {
+            for j in cell_jobs {
                 missing[j] -= 1;
                 if missing[j] == 0 && copies_ok {
                     let backup = Backup {
@@ -115,6 +120,7 @@ impl Engine {
                 }
             }
         }
+        drop(issued); // after a failure: waits for the copy streams too
         drop(arena);
         self.collect_unused_arenas(&mut inner);
         report.seconds = start.elapsed().as_secs_f64();
