@@ -30,6 +30,9 @@ case "${1:-}" in
   bench) build; shift; "$PY" -m cumem_rs bench "$@" ;;
   test)
     build
+    # The embedded PTX must be what its CUDA C source compiles to (NVRTC 12.0: PTX ISA 8.0, no GPU needed).
+    "$PY" scripts/gen_ptx.py --find >/dev/null 2>&1 || "$PY" -m pip install -q "nvidia-cuda-nvrtc-cu12==12.0.*"
+    "$PY" scripts/gen_ptx.py --check
     cargo test --no-default-features
     "$PY" -m pytest -q tests
     ;;

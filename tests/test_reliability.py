@@ -83,6 +83,7 @@ import os, resource
 import cumem_rs
 
 a = cumem_rs.Allocator.simulated(capacity=64 << 20, granularity=2 << 20)
+a.set_retain_backups(False)  # the second sleep copies into the cached arena, pinning it first
 a.push_tag("w")
 p = a.malloc(8 << 20)
 a.pop_tag()
@@ -118,6 +119,7 @@ def test_the_os_refusing_a_thread_is_not_a_panic():
 def test_a_panic_surfaces_as_cumem_error_and_leaves_the_allocator_refusing_calls(op):
     a = new_sim()
     a.set_pin_chunk(64 * 1024)  # several cells: copies are queued before the later cells are pinned
+    a.set_retain_backups(False)  # every sleep copies into an arena (none skips through a retained backup)
     a.push_tag("weights")
     addrs = [a.malloc(3 * 64 * 1024, device=d % 2) for d in range(4)]
     a.pop_tag()
@@ -208,9 +210,10 @@ class Alloc:
 
 
 class HostBoundMachine(RuleBasedStateMachine):
-    """Allocations under four tags; sleeps of random tag sets, wakes of random subsets, frees, all in any order.
-    After every step: host memory held <= bytes asleep with a backup + the largest backup one sleep made, and
-    every woken backup is intact (backups may have been moved between arenas to keep the bound)."""
+    """Allocations under four tags; sleeps of random tag sets, wakes of random subsets, frees, retained backups
+    switched on and off, all in any order. After every step: host memory held <= the backups still referenced
+    (allocations asleep with a backup, plus retained backups of awake ones) + the largest backup one sleep made,
+    and every woken backup is intact (backups may have been moved between arenas to keep the bound)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -239,6 +242,10 @@ class HostBoundMachine(RuleBasedStateMachine):
         self.a.free(addr)
         del self.model[addr]
 
+    @rule(on=st.booleans())
+    def retain(self, on):
+        self.a.set_retain_backups(on)
+
     @rule(offload=subsets)
     def sleep(self, offload):
         report = self.a.sleep(offload)
@@ -262,8 +269,9 @@ class HostBoundMachine(RuleBasedStateMachine):
     def host_memory_is_bounded(self):
         held = self.a.host_bytes()
         needed = sum(len(r.data) for r in self.model.values() if r.asleep and r.backed_up)
+        needed += self.a.stats()["host_retained_bytes"]
         assert held <= needed + self.largest, (
-            f"{held} bytes of host memory held for {needed} asleep with a backup (largest sleep {self.largest})"
+            f"{held} bytes of host memory held for {needed} referenced by backups (largest sleep {self.largest})"
         )
 
     def teardown(self):
@@ -274,8 +282,10 @@ def test_host_memory_stays_bounded_over_random_partial_wakes():
     run_state_machine_as_test(HostBoundMachine, settings=STATEFUL_SETTINGS)
 
 
-def test_the_reviews_four_rounds_of_partial_wake():
+@pytest.mark.parametrize("retain", [False, True], ids=["copy", "retain"])
+def test_the_reviews_four_rounds_of_partial_wake(retain):
     a = new_sim()
+    a.set_retain_backups(retain)
     g = a.granularity()
     addrs = {}
     for t in TAGS:
@@ -288,7 +298,8 @@ def test_the_reviews_four_rounds_of_partial_wake():
         largest = max(largest, a.sleep(TAGS)["copied_bytes"])
         a.wake_up(TAGS[:k])
         asleep = sum(r["size"] for r in a.allocations() if r["asleep"] and r["backed_up"])
-        assert a.host_bytes() <= asleep + largest, (k, a.host_bytes(), asleep, largest)
+        needed = asleep + a.stats()["host_retained_bytes"]
+        assert a.host_bytes() <= needed + largest, (k, a.host_bytes(), needed, largest)
     a.wake_up()
     for t, addr in addrs.items():
         assert a.read(addr, g) == t.encode() * g

@@ -261,7 +261,13 @@ def test_stats_fields(sim):
     assert s["wakes"] == 1 and s["last_wake"]["copied_bytes"] == wrep["copied_bytes"] == 2 * SIM_GRANULARITY
     assert s["last_wake"]["discarded_bytes"] == wrep["discarded_bytes"] == SIM_GRANULARITY
     assert s["mapped_bytes"] == 3 * SIM_GRANULARITY and s["asleep_bytes"] == 0
-    # The backup arena is no longer used by anyone: it is cached (keep policy), not counted as backup.
+    # The wake kept the weights' backup bound to them (retained, for a sleep that copies only what changed).
+    assert (s["retained_allocations"], s["host_retained_bytes"]) == (1, 2 * SIM_GRANULARITY)
+    assert s["host_backup_bytes"] == sim.host_bytes() > 0 and s["host_cached_bytes"] == 0
+    # Without retention the arena is no longer used by anyone: it is cached (keep policy), not counted as backup.
+    sim.set_retain_backups(False)
+    s = sim.stats()
+    assert (s["retained_allocations"], s["host_retained_bytes"]) == (0, 0)
     assert s["host_backup_bytes"] == 0 and s["host_cached_bytes"] == sim.host_bytes() > 0
     sim.free(w)
     s = sim.stats()

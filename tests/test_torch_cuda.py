@@ -48,8 +48,8 @@ def _random_bytes(nbytes: int, seed: int):
 
 
 def _copied_bytes(report: dict) -> int:
-    # The core report names it "copied_bytes" (the stub once said "backed_up").
-    return int(report["copied_bytes"] if "copied_bytes" in report else report["backed_up"])
+    # Backed up = copied now + skipped as unchanged since the last wake (retained backups).
+    return int(report["copied_bytes"] + report["skipped_bytes"])
 
 
 def _free_bytes() -> int:

@@ -16,6 +16,7 @@ __all__ = [
     "ClosedError",
     "Allocator",
     "cuda_available",
+    "fingerprint_bytes",
     "is_cuda_allocator_ready",
     "ffi_errors",
     "drain_logs",
@@ -42,6 +43,9 @@ class DriverError(CumemError):
 class ClosedError(CumemError):
     """The allocator was closed; no further calls are possible."""
 
+def fingerprint_bytes(data: bytes, chunk: int) -> list[tuple[int, int]]:
+    """Host reference fingerprints of `data` in chunks of `chunk` bytes (both multiples of 16): the values the GPU
+    kernel computes for the same bytes."""
 def cuda_available() -> bool:
     """True when libcuda can be loaded and reports at least one device. Never raises."""
 
@@ -98,9 +102,11 @@ class Allocator:
         """Innermost tag of this thread, "default" when the stack is empty."""
     def sleep(self, offload_tags: Optional[Union[str, Sequence[str]]] = None) -> dict:
         """None means ("default",). Back up awake allocations of `offload_tags` to host memory, then release the physical memory of all
-        awake allocations. Returns a report: {"allocations": n, "copied_bytes": bytes backed up,
+        awake allocations. Returns a report: {"allocations": n, "copied_bytes": bytes copied to host,
+        "skipped_bytes": bytes of retained backups not copied because their chunks did not change since the wake,
+        "chunks_checked": chunks whose fingerprints were compared, "fingerprint_seconds": s,
         "discarded_bytes": bytes released without backup, "seconds": s, "gb_per_s": copied_bytes / seconds / 1e9}.
-        Sizes are the allocations' rounded (mapped) sizes."""
+        Bytes backed up = copied_bytes + skipped_bytes. Sizes are the allocations' rounded (mapped) sizes."""
     def wake_up(self, tags: Optional[Union[str, Sequence[str]]] = None) -> dict:
         """Map new physical memory at the same addresses for asleep allocations of `tags` (None = all) and copy
         backups back. Transactional: on failure nothing is woken and the backups are kept. Returns a report like
@@ -135,7 +141,16 @@ class Allocator:
         """Cell size (rounded up to whole pages; default 512 MiB) in which a cold sleep pins host memory while
         the first cells already copy. ValueError when not positive or too large to round."""
     def trim_host(self) -> int:
-        """Return cached, unused host backup memory to the OS; returns bytes released."""
+        """Drop retained backups and return cached, unused host backup memory to the OS; returns bytes released."""
+    def set_retain_backups(self, on: bool) -> None:
+        """Keep a backup bound to its allocation after the wake that restored it, so the next sleep copies only the
+        chunks whose GPU fingerprint changed (default on; env CUMEM_RS_RETAIN_BACKUPS=0). False drops them all."""
+    def retains_backups(self) -> bool:
+        """Whether wakes keep backups now: policy on, host memory kept, fingerprint kernel available."""
+    def set_fingerprint_chunk(self, nbytes: int) -> None:
+        """Bytes per fingerprinted chunk (positive multiple of 16; default 2 MiB). A change drops retained backups."""
+    def fingerprints(self, address: int, length: int) -> list[tuple[int, int]]:
+        """Driver-computed 128-bit fingerprints (lo, hi) of [address, address+length), one per chunk."""
     def errors(self) -> list[str]:
         """Errors recorded by calls that could not raise (my_free), oldest first."""
     def inject_fault(self, op: str, nth: int = 1, error: str = "unknown") -> None:

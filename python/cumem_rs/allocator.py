@@ -369,7 +369,8 @@ class CuMemAllocator:
         """Back up the allocations of `offload_tags` to host memory and release the physical memory of all.
 
         None means ("default",), a str one tag, an empty collection backs up nothing. Allocations already asleep
-        keep their state. Returns the core report (backed_up and discarded bytes, allocations, seconds).
+        keep their state. Returns the core report (copied, skipped-as-unchanged and discarded bytes, allocations,
+        seconds).
         """
         tags = (self.default_tag,) if offload_tags is None else _tag_tuple(offload_tags, "offload_tags")
         self._check_open()
@@ -378,14 +379,15 @@ class CuMemAllocator:
         gc.collect()
         torch.cuda.empty_cache()
         report = self._native.sleep(list(tags))
-        backed_up = _report_bytes(report, "copied_bytes", "backed_up")
+        copied = _report_bytes(report, "copied_bytes", "backed_up")
+        skipped = _report_bytes(report, "skipped_bytes")
         discarded = _report_bytes(report, "discarded_bytes", "discarded")
         seconds = float(report.get("seconds", 0.0))
         logger.info(
-            "cumem_rs: sleep backed up %d bytes (%.2f GiB) of %s and discarded %d bytes (%.2f GiB); "
-            "%d allocations in %.3f s (%.1f GB/s)",
-            backed_up, backed_up / _GiB, list(tags), discarded, discarded / _GiB,
-            int(report.get("allocations", 0)), seconds, _rate(backed_up, seconds),
+            "cumem_rs: sleep backed up %d bytes (%.2f GiB) of %s (%d copied, %d unchanged since the last wake) "
+            "and discarded %d bytes (%.2f GiB); %d allocations in %.3f s (%.1f GB/s backed up)",
+            copied + skipped, (copied + skipped) / _GiB, list(tags), copied, skipped, discarded, discarded / _GiB,
+            int(report.get("allocations", 0)), seconds, _rate(copied + skipped, seconds),
         )
         forward_native_logs()
         return report

@@ -7,6 +7,7 @@ pub mod driver;
 pub mod engine;
 pub mod error;
 pub mod ffi;
+pub mod fingerprint;
 pub mod global;
 pub mod host;
 pub mod logbuf;

@@ -168,6 +168,9 @@ fn report_dict<'py>(py: Python<'py>, r: &Report) -> PyResult<Bound<'py, PyDict>>
     d.set_item("allocations", r.allocations)?;
     d.set_item("copied_bytes", r.copied_bytes)?;
     d.set_item("discarded_bytes", r.discarded_bytes)?;
+    d.set_item("skipped_bytes", r.skipped_bytes)?;
+    d.set_item("chunks_checked", r.chunks_checked)?;
+    d.set_item("fingerprint_seconds", r.fingerprint_seconds)?;
     d.set_item("seconds", r.seconds)?;
     d.set_item(
         "gb_per_s",
@@ -443,6 +446,8 @@ impl Allocator {
             d.set_item("peak_mapped_bytes", s.peak_mapped_bytes)?;
             d.set_item("host_backup_bytes", s.host_backup_bytes)?;
             d.set_item("host_cached_bytes", s.host_cached_bytes)?;
+            d.set_item("host_retained_bytes", s.host_retained_bytes)?;
+            d.set_item("retained_allocations", s.retained_allocations)?;
             d.set_item("mallocs", s.mallocs)?;
             d.set_item("frees", s.frees)?;
             d.set_item("sleeps", s.sleeps)?;
@@ -486,6 +491,36 @@ impl Allocator {
         guard(|| {
             let n = size_arg(nbytes, "nbytes", false)?;
             Ok(py.detach(|| self.engine.set_pin_chunk(n))?)
+        })
+    }
+
+    fn set_retain_backups(&self, py: Python<'_>, on: bool) -> PyResult<()> {
+        guard(|| Ok(py.detach(|| self.engine.set_retain_backups(on))?))
+    }
+
+    fn retains_backups(&self, py: Python<'_>) -> PyResult<bool> {
+        guard(|| Ok(py.detach(|| self.engine.retains_backups())))
+    }
+
+    fn set_fingerprint_chunk(&self, py: Python<'_>, nbytes: &Bound<'_, PyAny>) -> PyResult<()> {
+        guard(|| {
+            let n = size_arg(nbytes, "nbytes", false)?;
+            Ok(py.detach(|| self.engine.set_fingerprint_chunk(n))?)
+        })
+    }
+
+    /// Driver-computed fingerprints of [address, address+length): a list of (lo, hi) pairs, one per chunk.
+    fn fingerprints(
+        &self,
+        py: Python<'_>,
+        address: &Bound<'_, PyAny>,
+        length: &Bound<'_, PyAny>,
+    ) -> PyResult<Vec<(u64, u64)>> {
+        guard(|| {
+            let addr = address_arg(address)?;
+            let len = size_arg(length, "length", false)?;
+            let fps = py.detach(|| self.engine.fingerprints(addr, len))?;
+            Ok(fps.into_iter().map(|[a, b]| (a, b)).collect())
         })
     }
 
@@ -543,6 +578,7 @@ impl Allocator {
             d.set_item("host_registered", c.host_registered)?;
             d.set_item("host_allocated", c.host_allocated)?;
             d.set_item("markers", c.markers)?;
+            d.set_item("fingerprint_batches", c.fingerprint_batches)?;
             let calls = PyDict::new(py);
             for (op, n) in c.calls {
                 calls.set_item(op, n)?;
@@ -581,6 +617,28 @@ impl Allocator {
             ))
         })
     }
+}
+
+/// The host reference fingerprint of `data` (a multiple of 16 bytes) in chunks of `chunk` bytes: the same
+/// values the GPU kernel computes on the same bytes.
+#[pyfunction]
+fn fingerprint_bytes(data: &[u8], chunk: usize) -> PyResult<Vec<(u64, u64)>> {
+    guard(|| {
+        if chunk == 0
+            || !chunk.is_multiple_of(crate::fingerprint::WORD)
+            || !data.len().is_multiple_of(crate::fingerprint::WORD)
+        {
+            return Err(PyValueError::new_err(
+                "chunk and len(data) must be multiples of 16 (chunk positive)",
+            ));
+        }
+        Ok(crate::fingerprint::chunks(data.len(), chunk)
+            .map(|(off, len)| {
+                let [a, b] = crate::fingerprint::fingerprint(&data[off..off + len]);
+                (a, b)
+            })
+            .collect())
+    })
 }
 
 fn fault_ops() -> Vec<&'static str> {
@@ -658,6 +716,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
         m.add_function(wrap_pyfunction!(is_cuda_allocator_ready, m)?)?;
         m.add_function(wrap_pyfunction!(ffi_errors, m)?)?;
         m.add_function(wrap_pyfunction!(drain_logs, m)?)?;
+        m.add_function(wrap_pyfunction!(fingerprint_bytes, m)?)?;
         crate::logbuf::install();
         m.add_function(wrap_pyfunction!(_panic_in_next_ffi_call, m)?)?;
         Ok(())

@@ -83,6 +83,16 @@ impl Driver for Recording {
         }
         r
     }
+    fn queue_fingerprints(&self, device: i32, chunks: &[(DevPtr, usize)]) -> Result<()> {
+        let r = self.sim.queue_fingerprints(device, chunks);
+        if r.is_ok() {
+            self.push(Call::Copy(device)); // stream work like a copy, finished by the same waits
+        }
+        r
+    }
+    fn take_fingerprints(&self, device: i32) -> Result<Vec<cumem_rs::fingerprint::Fingerprint>> {
+        self.sim.take_fingerprints(device)
+    }
     fn wait(&self, device: i32) -> Result<()> {
         self.push(Call::Wait(device)); // even a failed wait ends the stream's work on CUDA (it reports the error)
         self.sim.wait(device)
@@ -215,6 +225,7 @@ fn second_sleep_pins_with(arm: impl Fn(&SimDriver)) -> (Vec<Call>, bool) {
     });
     let e = Engine::new(rec.clone() as Arc<dyn Driver>).unwrap();
     e.set_pin_chunk(GRAN).unwrap();
+    e.set_retain_backups(false).unwrap(); // the second sleep copies into the cached arena, pinning its last cell
     e.push_tag("weights").unwrap();
     for i in 0..6 {
         e.malloc(GRAN * (1 + i % 3), (i % 2) as i32, 0).unwrap();

@@ -10,14 +10,18 @@ use std::sync::OnceLock;
 
 use cudarc::driver::sys::{self, CUresult};
 
+use super::cuda_fingerprint::FingerprintKernel;
 use super::{DevPtr, Driver, HostPtr, Op, PhysHandle};
 use crate::error::{Error, Result};
+use crate::fingerprint::Fingerprint;
 
 /// Per-device state, created on first use of the device.
 struct DeviceState {
     ctx: sys::CUcontext,
     /// Non-blocking stream that carries sleep/wake copies.
     copy_stream: sys::CUstream,
+    /// The fingerprint kernel, loaded on first use.
+    fingerprint: FingerprintKernel,
 }
 
 // SAFETY: CUDA contexts and streams are process-wide handles, valid from any thread.
@@ -61,7 +65,7 @@ fn error_name(code: CUresult) -> String {
     }
 }
 
-fn check(op: &'static str, r: CUresult) -> Result<()> {
+pub(super) fn check(op: &'static str, r: CUresult) -> Result<()> {
     if r == CUresult::CUDA_SUCCESS {
         Ok(())
     } else {
@@ -246,7 +250,11 @@ fn set_up(ordinal: sys::CUdevice) -> Result<DeviceState> {
         Ok(stream)
     });
     match stream {
-        Ok(copy_stream) => Ok(DeviceState { ctx, copy_stream }),
+        Ok(copy_stream) => Ok(DeviceState {
+            ctx,
+            copy_stream,
+            fingerprint: FingerprintKernel::new(),
+        }),
         Err(e) => {
             // SAFETY: balances the retain above; this context is not used by us afterwards.
             unsafe { sys::cuDevicePrimaryCtxRelease_v2(ordinal) };
@@ -441,6 +449,16 @@ impl Driver for CudaDriver {
         let (st, _ctx) = self.enter(device)?;
         // SAFETY: our own stream.
         unsafe { check(Op::Wait.name(), sys::cuStreamSynchronize(st.copy_stream)) }
+    }
+
+    fn queue_fingerprints(&self, device: i32, chunks: &[(DevPtr, usize)]) -> Result<()> {
+        let (st, _ctx) = self.enter(device)?;
+        st.fingerprint.queue(st.copy_stream, chunks)
+    }
+
+    fn take_fingerprints(&self, device: i32) -> Result<Vec<Fingerprint>> {
+        let (st, _ctx) = self.enter(device)?;
+        st.fingerprint.take()
     }
 
     fn record_marker(&self, device: i32) -> Result<u64> {

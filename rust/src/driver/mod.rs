@@ -29,9 +29,11 @@
 //! ```
 
 pub mod cuda;
+mod cuda_fingerprint;
 pub mod sim;
 
 use crate::error::Result;
+use crate::fingerprint::Fingerprint;
 
 pub type DevPtr = u64;
 
@@ -62,12 +64,13 @@ pub enum Op {
     HostRegister,
     HostUnregister,
     HostAlloc,
+    Fingerprint,
     /// Not a driver call: the allocator starting a helper thread (see `Driver::thread_spawn`).
     ThreadSpawn,
 }
 
 impl Op {
-    pub const ALL: [Op; 16] = [
+    pub const ALL: [Op; 17] = [
         Op::Reserve,
         Op::FreeRange,
         Op::Create,
@@ -83,6 +86,7 @@ impl Op {
         Op::HostRegister,
         Op::HostUnregister,
         Op::HostAlloc,
+        Op::Fingerprint,
         Op::ThreadSpawn,
     ];
 
@@ -103,6 +107,7 @@ impl Op {
             Op::HostRegister => "host_register",
             Op::HostUnregister => "host_unregister",
             Op::HostAlloc => "host_alloc",
+            Op::Fingerprint => "fingerprint",
             Op::ThreadSpawn => "thread_spawn",
         }
     }
@@ -158,6 +163,15 @@ pub trait Driver: Send + Sync {
     /// Finish all work on `device` that may still touch its memory. `stream` is the caller's stream (0 = none);
     /// when that stream is being captured into a CUDA graph, this must not synchronize (and returns Ok).
     fn synchronize(&self, device: i32, stream: u64) -> Result<()>;
+
+    /// Queue on the copy stream of `device`, behind the copies queued so far, the fingerprints
+    /// (`crate::fingerprint`) of the device ranges `chunks` ((addr, len), len a multiple of 16). One batch per
+    /// device at a time: read it with `take_fingerprints` once the stream has passed it (after `wait`, or a
+    /// marker recorded later), before queueing the next one.
+    fn queue_fingerprints(&self, device: i32, chunks: &[(DevPtr, usize)]) -> Result<()>;
+    /// The fingerprints of the batch queued on `device`, in order. Forgets the batch, also on failure; with no
+    /// batch queued it fails.
+    fn take_fingerprints(&self, device: i32) -> Result<Vec<Fingerprint>>;
 
     /// Page-lock (pin) host memory for fast async copies.
     ///

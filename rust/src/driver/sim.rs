@@ -22,6 +22,7 @@ use rustix::mm::{mmap, mmap_anonymous, mprotect, munmap, MapFlags, MprotectFlags
 
 use super::{DevPtr, Driver, HostPtr, Op, PhysHandle};
 use crate::error::{Error, Result};
+use crate::fingerprint::{self, Fingerprint};
 
 /// More simulated devices than any machine has GPUs is a mistake, not a configuration.
 pub const MAX_SIM_DEVICES: usize = 1024;
@@ -107,6 +108,8 @@ struct State {
     /// Markers recorded and not yet waited for (leak check: CUDA events must be destroyed).
     markers: std::collections::HashSet<u64>,
     next_marker: u64,
+    /// Fingerprint batches queued and not yet taken, per device.
+    fingerprints: HashMap<i32, Vec<Fingerprint>>,
 }
 
 /// Live resources and call counts, for leak checks and for sizing fault-injection walks.
@@ -119,6 +122,8 @@ pub struct SimCounts {
     pub host_registered: usize,
     pub host_allocated: usize,
     pub markers: usize,
+    /// Fingerprint batches queued and not taken (each must be taken, like markers waited for).
+    pub fingerprint_batches: usize,
     pub calls: Vec<(&'static str, u64)>,
 }
 
@@ -214,6 +219,7 @@ impl SimDriver {
             host_registered: st.host_registered.len(),
             host_allocated: st.host_allocated.len(),
             markers: st.markers.len(),
+            fingerprint_batches: st.fingerprints.len(),
             calls: Op::ALL
                 .iter()
                 .map(|op| (op.name(), st.calls.get(op).copied().unwrap_or(0)))
@@ -651,6 +657,49 @@ impl Driver for SimDriver {
     fn wait(&self, device: i32) -> Result<()> {
         self.check_device(device)?;
         self.state.lock().enter(Op::Wait)
+    }
+
+    fn queue_fingerprints(&self, device: i32, chunks: &[(DevPtr, usize)]) -> Result<()> {
+        self.check_device(device)?;
+        let mut st = self.state.lock();
+        st.enter(Op::Fingerprint)?;
+        let invalid = |why: String| {
+            Error::driver(
+                Op::Fingerprint.name(),
+                1,
+                format!("CUDA_ERROR_INVALID_VALUE ({why})"),
+            )
+        };
+        if st.fingerprints.contains_key(&device) {
+            return Err(invalid(format!(
+                "a batch is already queued on device {device}"
+            )));
+        }
+        let mut out = Vec::with_capacity(chunks.len());
+        for &(addr, len) in chunks {
+            if !len.is_multiple_of(fingerprint::WORD) || !st.accessible(addr, len.max(1)) {
+                return Err(invalid(format!(
+                    "chunk {addr:#x}+{len} not mapped or not whole words"
+                )));
+            }
+            // SAFETY: [addr, addr+len) is mapped and accessible (checked under the lock, which unmap also
+            // takes), so the bytes are readable for the duration of this call.
+            let bytes = unsafe { std::slice::from_raw_parts(addr as *const u8, len) };
+            out.push(fingerprint::fingerprint(bytes));
+        }
+        st.fingerprints.insert(device, out);
+        Ok(())
+    }
+
+    fn take_fingerprints(&self, device: i32) -> Result<Vec<Fingerprint>> {
+        self.check_device(device)?;
+        self.state
+            .lock()
+            .fingerprints
+            .remove(&device)
+            .ok_or_else(|| {
+                Error::InvalidState(format!("no fingerprint batch queued on device {device}"))
+            })
     }
 
     fn record_marker(&self, device: i32) -> Result<u64> {

@@ -15,11 +15,12 @@
 
 mod hostmem;
 mod release;
+mod retain;
 mod sleep;
 mod types;
 mod wake;
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::ops::{Deref, DerefMut};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
@@ -28,10 +29,12 @@ use parking_lot::{Mutex, MutexGuard};
 
 use crate::driver::{self, DevPtr, Driver, PhysHandle};
 use crate::error::{Error, Result};
+use crate::fingerprint;
 use crate::host::{HostBuffer, HostPool};
 use crate::registry::{self, Allocation, Registry, State};
 
 use release::Pending;
+use retain::Prints;
 pub use types::{AllocationInfo, Report, Stats};
 
 /// At most this many recorded errors are kept (oldest dropped first).
@@ -67,6 +70,16 @@ struct Inner {
     largest_backup: usize,
     /// Set when a panic unwound while the lock was held; see `Locked`.
     poisoned: bool,
+    /// Backups kept bound to awake allocations after the wake that restored them (see `retain.rs`).
+    retained: HashMap<DevPtr, registry::Backup>,
+    /// Chunk fingerprints of backups (of asleep allocations, and of retained ones).
+    prints: HashMap<DevPtr, Prints>,
+    /// Policy: keep backups across wake (`set_retain_backups`, env CUMEM_RS_RETAIN_BACKUPS=0 turns it off).
+    retain: bool,
+    /// Set when the fingerprint kernel cannot run here: retention stays off.
+    fingerprints_unavailable: bool,
+    /// Bytes per fingerprinted chunk.
+    fingerprint_chunk: usize,
 }
 
 pub struct Engine {
@@ -138,6 +151,11 @@ impl Engine {
             pin_chunk: PIN_CHUNK,
             largest_backup: 0,
             poisoned: false,
+            retained: HashMap::new(),
+            prints: HashMap::new(),
+            retain: std::env::var("CUMEM_RS_RETAIN_BACKUPS").map_or(true, |v| v != "0"),
+            fingerprints_unavailable: false,
+            fingerprint_chunk: fingerprint::DEFAULT_CHUNK,
         };
         Ok(Engine {
             id: NEXT_ENGINE_ID.fetch_add(1, Ordering::Relaxed),
@@ -309,6 +327,7 @@ impl Engine {
             }
         }
         inner.reg.remove(addr);
+        Self::drop_retained(inner, &[addr]);
         if unmapped {
             self.free_range_or_queue(inner, a.addr, a.size);
         }
@@ -329,6 +348,27 @@ impl Engine {
             driver::copy_to_slice(&*self.driver, device, addr, &mut out)?;
         }
         Ok(out)
+    }
+
+    /// Fingerprints computed by the driver (the GPU kernel on CUDA) of [addr, addr+len) in chunks of the
+    /// fingerprint chunk size; `len` a multiple of 16, inside one awake allocation.
+    pub fn fingerprints(&self, addr: DevPtr, len: usize) -> Result<Vec<fingerprint::Fingerprint>> {
+        let inner = self.lock_open()?;
+        let device = Self::awake_containing(&inner, addr, len)?;
+        if len == 0 || !len.is_multiple_of(fingerprint::WORD) || !addr.is_multiple_of(16) {
+            return Err(Error::invalid(format!(
+                "fingerprints need a 16-byte aligned address and a positive multiple of 16 bytes, got {addr:#x}+{len}"
+            )));
+        }
+        let ranges: Vec<(DevPtr, usize)> = fingerprint::chunks(len, inner.fingerprint_chunk)
+            .map(|(off, l)| (addr + off as u64, l))
+            .collect();
+        self.driver.synchronize(device, 0)?;
+        self.driver.queue_fingerprints(device, &ranges)?;
+        let waited = self.driver.wait(device);
+        let taken = self.driver.take_fingerprints(device);
+        waited?;
+        taken
     }
 
     pub fn write(&self, addr: DevPtr, data: &[u8]) -> Result<()> {
@@ -393,6 +433,13 @@ impl Engine {
             .sum();
         s.host_backup_bytes = inner.arenas.iter().map(|a| a.len()).sum();
         s.host_cached_bytes = inner.host.cached_bytes();
+        s.host_retained_bytes = inner
+            .retained
+            .keys()
+            .filter_map(|a| inner.reg.get(*a))
+            .map(|a| a.size)
+            .sum();
+        s.retained_allocations = inner.retained.len();
         s.pending_releases = inner.pending.len();
         s
     }
@@ -407,7 +454,40 @@ impl Engine {
         let mut inner = self.lock_open()?;
         inner.host.keep = keep;
         if !keep {
+            self.drop_all_retained(&mut inner);
             inner.host.trim()?;
+        }
+        Ok(())
+    }
+
+    /// Keep backups bound to their allocations across wake, so that a sleep copies only the chunks that
+    /// changed (on by default where the fingerprint kernel runs). Off drops every retained backup.
+    pub fn set_retain_backups(&self, on: bool) -> Result<()> {
+        let mut inner = self.lock_open()?;
+        inner.retain = on;
+        if !on {
+            self.drop_all_retained(&mut inner);
+        }
+        Ok(())
+    }
+
+    /// Whether wakes keep backups now (policy on, host memory kept, fingerprint kernel available).
+    pub fn retains_backups(&self) -> bool {
+        Self::retaining(&self.inner.lock())
+    }
+
+    /// Bytes per fingerprinted chunk: a positive multiple of 16. A change drops every retained backup.
+    pub fn set_fingerprint_chunk(&self, bytes: usize) -> Result<()> {
+        if bytes == 0 || !bytes.is_multiple_of(fingerprint::WORD) || bytes > 1 << 40 {
+            return Err(Error::invalid(format!(
+                "fingerprint chunk must be a positive multiple of {} bytes up to 1 TiB, got {bytes}",
+                fingerprint::WORD
+            )));
+        }
+        let mut inner = self.lock_open()?;
+        if inner.fingerprint_chunk != bytes {
+            inner.fingerprint_chunk = bytes;
+            self.drop_all_retained(&mut inner);
         }
         Ok(())
     }
@@ -443,6 +523,7 @@ impl Engine {
     pub fn trim_host(&self) -> Result<usize> {
         let mut inner = self.lock_unpoisoned()?;
         self.retry_pending(&mut inner);
+        self.drop_all_retained(&mut inner);
         inner.host.trim()
     }
 

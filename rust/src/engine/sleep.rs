@@ -14,9 +14,10 @@ impl Engine {
     /// Back up awake allocations whose tag is in `offload_tags`, then release the physical memory of every awake
     /// allocation. Allocations already asleep keep their state and backup.
     ///
-    /// Order: synchronize; queue every backup copy (pinning a cold arena cell by cell meanwhile); release the
-    /// allocations that need no backup while those copies run; then, cell by cell as the copies finish, release
-    /// the backed-up allocations. An allocation is released only once its whole backup is known to be on the
+    /// Order: synchronize; fingerprint the allocations with a retained backup; queue every other backup copy
+    /// (pinning a cold arena cell by cell meanwhile); queue the copies of changed chunks into retained backups;
+    /// release the allocations that need no backup while those copies run; then, cell by cell as the copies
+    /// finish, release the backed-up allocations. An allocation is released only once its whole backup is known to be on the
     /// host, so after any failure each offloaded allocation is either awake with its data or asleep with a
     /// complete backup. Allocations of other tags are released without backup as asked, failure or not.
     pub fn sleep<S: AsRef<str>>(&self, offload_tags: &[S]) -> Result<Report> {
@@ -29,31 +30,44 @@ impl Engine {
             return Ok(Report::default());
         }
         self.synchronize_devices(&inner, &targets)?;
-        let (backed, bare): (Vec<DevPtr>, Vec<DevPtr>) = targets
+        let (mut backed, bare): (Vec<DevPtr>, Vec<DevPtr>) = targets
             .iter()
             .partition(|a| offload.contains(&*inner.reg.get(**a).expect("selected").tag));
         let mut report = Report::default();
+        // Not offloaded this time: a retained backup of these would go stale.
+        Self::drop_retained(&mut inner, &bare);
+        let retained = Self::split_retained(&inner, &mut backed);
 
-        // 1. Queue the backup copies.
+        // 1. The host arena for the backups made now (the only step that may still return early: nothing is
+        //    queued yet).
         let (jobs, total) = transfer::layout(backed.iter().map(|a| {
             let a = inner.reg.get(*a).expect("selected");
             (a.device, a.addr, a.size)
         }));
-        let mut arena = None;
-        // After `arena`, so that it is dropped (waiting for every queued copy) first, panics included.
-        let mut issued = None;
-        let mut first_err = None;
         let mut cold = false;
+        let mut buf = None;
         if total > 0 {
             inner.largest_backup = inner.largest_backup.max(total);
-            let mut buf = match inner.host.take_cached(total) {
+            buf = Some(match inner.host.take_cached(total) {
                 Some(buf) => buf,
                 None => {
                     cold = true;
                     inner.host.trim()?;
                     HostBuffer::map_unpinned(&self.driver, total)?
                 }
-            };
+            });
+        }
+
+        // 2. Fingerprint every offloaded allocation, first on the copy streams so that the result does not wait
+        //    for the copies: the retained ones to find their changed chunks, all to let the next sleep skip.
+        let mut prints = self.begin_sleep_prints(&mut inner, retained, &backed);
+
+        // 3. Queue the backup copies (pinning a cold arena cell by cell meanwhile).
+        let mut arena = None;
+        // After `arena`, so that it is dropped (waiting for every queued copy) first, panics included.
+        let mut issued = None;
+        let mut first_err = None;
+        if let Some(mut buf) = buf {
             let mut absorbed = Vec::new();
             let (cells, result) = transfer::issue_copy_out(
                 &*self.driver,
@@ -81,14 +95,21 @@ impl Engine {
             arena = Some(buf);
         }
 
-        // 2. While the copies run, release what needs no backup.
+        // 4. Compare the fingerprints; queue the copies of changed chunks into the retained backups.
+        let changed_queued = self.issue_changed_chunks(&mut inner, &mut prints, &mut report);
+        let changed_ok = changed_queued.is_ok();
+        if let Err(e) = changed_queued {
+            first_err.get_or_insert(e);
+        }
+
+        // 5. While the copies run, release what needs no backup.
         for addr in bare {
             if let Err(e) = self.release_to_sleep(&mut inner, addr, None, &mut report) {
                 first_err.get_or_insert(e);
             }
         }
 
-        // 3. As cells finish, release the allocations whose backup is complete. `missing` counts each job's
+        // 6. As cells finish, release the allocations whose backup is complete. `missing` counts each job's
         //    cells on the whole grid, so a job with a cell that was never queued (after an error) stays awake.
         let cell_size = inner.pin_chunk;
         let mut missing: Vec<usize> = jobs
@@ -121,6 +142,8 @@ impl Engine {
             }
         }
         drop(issued); // after a failure: waits for the copy streams too
+                      // 7. Once their changed chunks are on the host, release the allocations with a retained backup.
+        self.finish_sleep_prints(&mut inner, prints, changed_ok, &mut report, &mut first_err);
         drop(arena);
         self.collect_unused_arenas(&mut inner);
         report.seconds = start.elapsed().as_secs_f64();
@@ -181,6 +204,7 @@ impl Engine {
             match self.unmap_release(&mut inner, a.addr, a.size, handle) {
                 Ok(()) => {
                     inner.reg.set_state(addr, State::Asleep { backup: None });
+                    Self::drop_retained(&mut inner, &[addr]);
                     report.allocations += 1;
                     report.discarded_bytes += a.size;
                 }
@@ -189,6 +213,7 @@ impl Engine {
                 }
             }
         }
+        self.collect_unused_arenas(&mut inner);
         report.seconds = start.elapsed().as_secs_f64();
         first_err.map_or(Ok(report), Err)
     }

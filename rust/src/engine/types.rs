@@ -10,6 +10,13 @@ pub struct Report {
     pub copied_bytes: usize,
     /// Bytes released without backup (sleep, discard) or woken without contents (wake).
     pub discarded_bytes: usize,
+    /// Sleep: bytes of retained backups not copied because their chunk fingerprints did not change.
+    pub skipped_bytes: usize,
+    /// Sleep: chunks of retained backups whose fingerprints were compared.
+    pub chunks_checked: usize,
+    /// Sleep: seconds spent on fingerprints: queueing them, waiting for them (what did not overlap other
+    /// work), comparing them and queueing the changed chunks' copies.
+    pub fingerprint_seconds: f64,
     pub seconds: f64,
 }
 
@@ -34,6 +41,9 @@ pub struct Stats {
     pub peak_mapped_bytes: usize,
     pub host_backup_bytes: usize,
     pub host_cached_bytes: usize,
+    /// Host bytes of backups kept bound to awake allocations (retained backups).
+    pub host_retained_bytes: usize,
+    pub retained_allocations: usize,
     pub mallocs: u64,
     pub frees: u64,
     pub sleeps: u64,

@@ -64,9 +64,14 @@ impl Engine {
             self.rollback_wake(&mut inner, &mapped);
             return Err(e);
         }
+        let restored: Vec<(DevPtr, Backup)> = targets[..backed]
+            .iter()
+            .filter_map(|a| Self::backup_of(&inner, *a).map(|b| (*a, b.clone())))
+            .collect();
         for (addr, handle) in mapped {
             inner.reg.set_state(addr, State::Awake { handle });
         }
+        self.keep_restored_backups(&mut inner, restored);
         self.collect_unused_arenas(&mut inner);
         Self::note_peak(&mut inner);
         report.seconds = start.elapsed().as_secs_f64();

@@ -1,0 +1,240 @@
+"""Retained backups: a wake keeps the backup it restored from, and the next sleep copies only the chunks whose
+fingerprint changed. Same tests on the simulated driver (host fingerprints) and on CUDA (the GPU kernel).
+
+The point is never to restore stale data: every test checks the bytes after the next wake, whatever was skipped.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+import cumem_rs
+from cumem_rs import Allocator
+from conftest import allocator_for, live_counts
+
+CHUNK = 16 << 10  # several chunks per simulated granule (64 KiB) and per CUDA granule (2 MiB)
+
+
+def weights(a: Allocator, granules: int) -> tuple[int, int, bytearray]:
+    """One "weights" allocation of `granules` granules filled with random bytes: (address, size, data)."""
+    size = granules * a.granularity(0)
+    a.push_tag("weights")
+    try:
+        addr = a.malloc(size, 0)
+    finally:
+        a.pop_tag()
+    data = bytearray(os.urandom(size))
+    a.write(addr, bytes(data))
+    return addr, size, data
+
+
+@pytest.fixture
+def a(alloc: Allocator):
+    alloc.set_fingerprint_chunk(CHUNK)
+    alloc.set_retain_backups(True)
+    yield alloc
+    alloc.wake_up(None)  # the CUDA allocator is shared: leave everything awake
+    alloc.set_fingerprint_chunk(2 << 20)
+
+
+def cycle(a: Allocator) -> dict:
+    """sleep("weights") then wake everything; returns the sleep report."""
+    rep = a.sleep("weights")
+    a.wake_up(None)
+    return rep
+
+
+def test_unchanged_weights_are_not_copied_again(a):
+    addr, size, data = weights(a, 2)
+    first = cycle(a)
+    assert first["copied_bytes"] >= size and first["skipped_bytes"] == 0, "the first sleep copies everything"
+    assert a.retains_backups()
+    second = a.sleep("weights")
+    assert second["skipped_bytes"] >= size, f"unchanged chunks were copied: {second}"
+    assert second["chunks_checked"] >= size // CHUNK
+    a.wake_up(None)
+    assert a.read(addr, size) == data
+
+
+@pytest.mark.parametrize("where", ["first", "middle", "last"])
+def test_one_changed_byte_copies_its_chunk_only(a, where):
+    addr, size, data = weights(a, 2)
+    cycle(a)
+    off = {"first": 0, "middle": size // 2 + 5, "last": size - 1}[where]
+    data[off] ^= 0x5A
+    a.write(addr + off, bytes([data[off]]))
+    rep = a.sleep("weights")
+    mine = a.stats()["last_sleep"]
+    assert mine["copied_bytes"] >= CHUNK and mine["copied_bytes"] + mine["skipped_bytes"] >= size
+    if a.backend == "sim":  # alone on the simulated device: exact counts
+        assert (rep["copied_bytes"], rep["skipped_bytes"]) == (CHUNK, size - CHUNK), rep
+    a.wake_up(None)
+    assert a.read(addr, size) == data, "the changed byte was lost: a stale chunk was restored"
+
+
+def test_rewriting_every_chunk_copies_everything_and_restores_the_new_bytes(a):
+    """The RL pattern: wake, overwrite all weights in place, sleep, wake."""
+    addr, size, _ = weights(a, 3)
+    cycle(a)
+    new = os.urandom(size)
+    a.write(addr, new)
+    rep = a.sleep("weights")
+    if a.backend == "sim":
+        assert (rep["copied_bytes"], rep["skipped_bytes"]) == (size, 0), rep
+    a.wake_up(None)
+    assert a.read(addr, size) == new
+
+
+def test_writing_the_same_value_or_a_swapped_word_is_never_lost(a):
+    addr, size, data = weights(a, 1)
+    cycle(a)
+    a.write(addr + 64, bytes(data[64:96]))  # the same bytes again: skipping is allowed, losing is not
+    word = bytes(data[0:16])
+    swapped = bytes(data[16:32]) + word  # two 16-byte words swapped
+    data[0:32] = swapped
+    a.write(addr, swapped)
+    cycle(a)
+    assert a.read(addr, size) == data
+
+
+@pytest.mark.parametrize(
+    "invalidate",
+    ["discard", "not_offloaded", "trim_host", "keep_host_false", "retain_off", "chunk_change", "free"],
+)
+def test_invalidation_drops_the_retained_backup(a, invalidate):
+    addr, size, data = weights(a, 1)
+    cycle(a)
+    if a.backend == "sim":
+        assert a.stats()["retained_allocations"] == 1
+    if invalidate == "discard":
+        a.discard("weights")
+        a.wake_up(None)
+        data = bytearray(a.read(addr, size))  # contents undefined after a discard: take what is there
+        a.write(addr, bytes(data))
+    elif invalidate == "not_offloaded":
+        a.sleep([])  # released without backup
+        a.wake_up(None)
+        data = bytearray(os.urandom(size))
+        a.write(addr, bytes(data))
+    elif invalidate == "trim_host":
+        a.trim_host()
+    elif invalidate == "keep_host_false":
+        a.set_keep_host_memory(False)
+        assert not a.retains_backups()
+    elif invalidate == "retain_off":
+        a.set_retain_backups(False)
+        assert not a.retains_backups()
+    elif invalidate == "chunk_change":
+        a.set_fingerprint_chunk(2 * CHUNK)
+    elif invalidate == "free":
+        a.free(addr)
+        if a.backend == "sim":
+            assert a.stats()["retained_allocations"] == 0
+        return
+    if a.backend == "sim":
+        assert a.stats()["retained_allocations"] == 0, f"{invalidate} kept a retained backup"
+        rep = a.sleep("weights")
+        assert (rep["copied_bytes"], rep["skipped_bytes"]) == (size, 0), rep
+    else:
+        a.sleep("weights")
+    a.set_keep_host_memory(True)
+    a.wake_up(None)
+    assert a.read(addr, size) == data
+
+
+def test_driver_fingerprints_equal_the_host_reference(a):
+    """The GPU kernel (on CUDA) and the host code compute the same function."""
+    addr, size, data = weights(a, 1)
+    got = a.fingerprints(addr, size)
+    assert got == cumem_rs._native.fingerprint_bytes(bytes(data), CHUNK)
+    part = a.fingerprints(addr + 4096, 4096 + 48)  # a short last chunk
+    assert part == cumem_rs._native.fingerprint_bytes(bytes(data[4096 : 8192 + 48]), CHUNK)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        a.fingerprints(addr, 15)
+
+
+def test_host_cost_stays_flat_over_cycles(a):
+    addr, size, data = weights(a, 2)
+    cycle(a)
+    held = a.host_bytes()
+    for i in range(5):
+        data[i * 4097 % size] ^= 1
+        a.write(addr, bytes(data))
+        cycle(a)
+        assert a.host_bytes() == held, "retained backups grew host memory"
+    assert a.read(addr, size) == data
+
+
+# --- faults (simulated driver) -----------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def sim_a():
+    with allocator_for("sim") as s:
+        s.set_fingerprint_chunk(CHUNK)
+        yield s
+
+
+def test_fingerprint_failure_at_the_first_sleep_retains_nothing(sim_a):
+    addr, size, data = weights(sim_a, 1)
+    sim_a.inject_fault("fingerprint", 1, "unknown")
+    sim_a.sleep("weights")  # the sleep itself succeeds, without prints
+    assert any("fingerprint" in e for e in sim_a.errors())
+    sim_a.wake_up(None)
+    assert sim_a.read(addr, size) == data
+    assert sim_a.stats()["retained_allocations"] == 0
+    rep = sim_a.sleep("weights")
+    assert (rep["copied_bytes"], rep["skipped_bytes"]) == (size, 0)
+    sim_a.wake_up(None)
+    assert sim_a.read(addr, size) == data
+
+
+def test_wake_runs_no_kernel(sim_a):
+    """Prints are taken at sleep; a wake only copies (a kernel there would hold up the maps under the copies)."""
+    weights(sim_a, 2)
+    sim_a.sleep("weights")
+    before = sim_a.driver_counts()["calls"]["fingerprint"]
+    sim_a.wake_up(None)
+    assert sim_a.driver_counts()["calls"]["fingerprint"] == before
+    assert sim_a.stats()["retained_allocations"] == 1
+
+
+def test_fingerprint_failure_at_sleep_copies_everything(sim_a):
+    addr, size, data = weights(sim_a, 2)
+    cycle(sim_a)
+    data[7] ^= 1
+    sim_a.write(addr, bytes(data))
+    sim_a.inject_fault("fingerprint", 1, "unknown")
+    rep = sim_a.sleep("weights")
+    assert (rep["copied_bytes"], rep["skipped_bytes"]) == (size, 0), rep
+    sim_a.wake_up(None)
+    assert sim_a.read(addr, size) == data
+
+
+def test_failed_copy_of_a_changed_chunk_leaves_the_data_awake_and_drops_the_retained_backup(sim_a):
+    addr, size, data = weights(sim_a, 2)
+    cycle(sim_a)
+    data[CHUNK + 3] ^= 0xFF
+    sim_a.write(addr, bytes(data))
+    sim_a.inject_fault("copy_d2h", 1, "unknown")
+    with pytest.raises(cumem_rs.CumemError):
+        sim_a.sleep("weights")
+    row = next(r for r in sim_a.allocations() if r["address"] == addr)
+    assert not row["asleep"], "released without a complete backup"
+    assert sim_a.read(addr, size) == data
+    assert sim_a.stats()["retained_allocations"] == 0, "a half-overwritten backup stayed retained"
+    assert live_counts(sim_a) and sim_a.driver_counts()["markers"] == 0
+    rep = sim_a.sleep("weights")
+    assert (rep["copied_bytes"], rep["skipped_bytes"]) == (size, 0)
+    sim_a.wake_up(None)
+    assert sim_a.read(addr, size) == data
+
+
+def test_no_fingerprint_batch_or_marker_is_left_behind(sim_a):
+    addr, size, data = weights(sim_a, 2)
+    for _ in range(3):
+        cycle(sim_a)
+    c = sim_a.driver_counts()
+    assert (c["markers"], c["fingerprint_batches"]) == (0, 0)
