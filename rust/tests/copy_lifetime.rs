@@ -163,7 +163,8 @@ fn assert_no_copy_in_flight_at_unpin(log: &[Call]) {
     }
 }
 
-fn run_with_fault(op: Op, nth: u64) -> Vec<Call> {
+/// An engine on two simulated devices whose driver calls are logged.
+fn recorded_engine() -> (Arc<Recording>, Engine) {
     let rec = Arc::new(Recording {
         sim: SimDriver::new(SimConfig {
             devices: 2,
@@ -174,6 +175,11 @@ fn run_with_fault(op: Op, nth: u64) -> Vec<Call> {
         log: Mutex::new(Vec::new()),
     });
     let e = Engine::new(rec.clone() as Arc<dyn Driver>).unwrap();
+    (rec, e)
+}
+
+fn run_with_fault(op: Op, nth: u64) -> Vec<Call> {
+    let (rec, e) = recorded_engine();
     e.set_pin_chunk(3 * 4096 * 5).unwrap();
     e.set_keep_host_memory(false).unwrap(); // a buffer no allocation uses is unpinned at once
     e.push_tag("weights").unwrap();
@@ -214,16 +220,7 @@ fn no_host_buffer_is_unpinned_under_queued_copies_whatever_fails() {
 /// the second sleep queues the copies of the pinned cells, then pins that cell on a helper thread. `arm` makes
 /// that step go wrong (no thread, or a panic while pinning). Returns the log and whether the sleep panicked.
 fn second_sleep_pins_with(arm: impl Fn(&SimDriver)) -> (Vec<Call>, bool) {
-    let rec = Arc::new(Recording {
-        sim: SimDriver::new(SimConfig {
-            devices: 2,
-            capacity: 16 << 20,
-            granularity: GRAN,
-        })
-        .unwrap(),
-        log: Mutex::new(Vec::new()),
-    });
-    let e = Engine::new(rec.clone() as Arc<dyn Driver>).unwrap();
+    let (rec, e) = recorded_engine();
     e.set_pin_chunk(GRAN).unwrap();
     e.set_retain_backups(false).unwrap(); // the second sleep copies into the cached arena, pinning its last cell
     e.push_tag("weights").unwrap();
