@@ -23,6 +23,7 @@ def main() -> None:
     ap.add_argument("--gib", type=float, default=15.0)
     ap.add_argument("--count", type=int, default=128)
     ap.add_argument("--kv-gib", type=float, default=48.0)
+    ap.add_argument("--gap", type=float, default=0.0, help="seconds between each sleep and the wake after it")
     args = ap.parse_args()
     torch.zeros(1, device="cuda")  # makes the primary context current on this thread (for the raw memsets)
     a = cumem_rs.Allocator.cuda()
@@ -67,6 +68,7 @@ def main() -> None:
         t = time.perf_counter()
         rep = a.sleep(["weights"])
         s = time.perf_counter() - t
+        time.sleep(args.gap)
         t = time.perf_counter()
         w = a.wake_up(None)
         ws = time.perf_counter() - t

@@ -175,7 +175,8 @@ def test_demo_rejects_a_bad_scale():
 
 def test_bench_on_the_simulated_device(tmp_path):
     out = tmp_path / "bench.json"
-    p = run_cli("bench", "--backend", "sim", "--scale", "512", "--cycles", "2", "--json", str(out))
+    p = run_cli("bench", "--backend", "sim", "--scale", "512", "--cycles", "2", "--only", "sleep_wake,malloc",
+                "--json", str(out))
     assert p.returncode == 0, p.stdout + p.stderr
     for row in ("host memcpy", "sleep, cold first", "sleep, steady (median of 2)", "wake, steady",
                 "keep_host_memory=False", "discard kv_cache", "Allocator.malloc"):
@@ -190,6 +191,104 @@ def test_bench_on_the_simulated_device(tmp_path):
     assert m["host_bytes_after_wake_nokeep"] == 0
     assert m["errors"] == []
     assert any(r["name"].startswith("sleep, steady") for r in data["rows"])
+    # The copy path: every steady sleep copied every byte.
+    assert m["sleep_skipped_all_bytes"] == [0, 0, 0]
+    assert m["tables"] == ["sleep_wake", "malloc"] and set(m["table_seconds"]) == {"sleep_wake", "malloc"}
+    assert not any(k.startswith(("retained_", "alloc_count_")) for k in m)
+
+
+def _median_report(cycles: list, field: str) -> float:
+    values = sorted(c["report"][field] for c in cycles)
+    return values[len(values) // 2]
+
+
+def test_bench_every_table_on_the_simulated_device(tmp_path):
+    out = tmp_path / "bench.json"
+    p = run_cli("bench", "--backend", "sim", "--scale", "1024", "--cycles", "1", "--json", str(out))
+    assert p.returncode == 0, p.stdout + p.stderr
+    for title in ("the limit: pinned copies", "sleep/wake, copy path", "retained backups", "allocation count",
+                  "malloc/free", "CuMemAllocator wall time", "torch_memory_saver"):
+        assert title in p.stdout, title
+    data = json.loads(out.read_text())
+    m = data["metrics"]
+    assert m["errors"] == []
+    assert set(m["table_seconds"]) == {"peer", "sleep_wake", "retained", "wall", "alloc_count", "malloc"}
+    w = m["weights_bytes"]
+
+    # Retained backups on: an unchanged sleep copies nothing; 1% of the chunks rewritten copies about 1%; all
+    # rewritten copies (almost) everything (chunks of rounding padding stay unchanged).
+    on = m["retained_core_on_cycles"]
+    assert _median_report(on["unchanged"], "copied_bytes") == 0
+    assert _median_report(on["unchanged"], "skipped_bytes") >= w
+    assert 0 < _median_report(on["one_percent"], "copied_bytes") <= 0.05 * w
+    assert _median_report(on["all"], "copied_bytes") >= 0.99 * w
+    assert all(c["report"]["chunks_checked"] > 0 for kind in on.values() for c in kind)
+    # Off: every sleep copies every byte, no fingerprints.
+    off = m["retained_core_off_cycles"]
+    for kind in ("unchanged", "one_percent", "all"):
+        assert _median_report(off[kind], "skipped_bytes") == 0
+        assert _median_report(off[kind], "copied_bytes") >= w
+        assert _median_report(off[kind], "chunks_checked") == 0
+    for key in ("unchanged", "one_percent"):
+        assert m[f"retained_core_on_sleep_{key}_ratio"] > 0
+    assert m["retained_core_on_sleep_all_ratio"] > 0 and m["retained_core_on_wake_ratio"] > 0
+
+    for n in (16, 128, 1024, 6144):
+        assert m[f"alloc_count_core_{n}_sleep_ratio"] > 0 and m[f"alloc_count_core_{n}_wake_ratio"] > 0
+    skipped = {r["name"] for r in data["rows"] if r["vs"] == "skipped: no GPU"}
+    assert {"CuMemAllocator (torch tensors)", "torch_memory_saver",
+            "CuMemAllocator sleep / wake_up / discard wall time"} <= skipped
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--only", "sleep_wake,bogus"], "unknown table(s) bogus"),
+    (["--alloc-counts", "16,x"], "comma-separated positive counts"),
+    (["--alloc-counts", "0"], "comma-separated positive counts"),
+])
+def test_bench_rejects_bad_table_arguments(argv, message):
+    p = run_cli("bench", "--backend", "sim", *argv)
+    assert p.returncode == 2 and message in p.stderr, p.stderr
+
+
+def test_rewrites_touch_exactly_the_chosen_chunks():
+    """The benchmark's in-place rewrites (its 1% row) change exactly the bytes of the chosen chunks, and a
+    verification against the checksums taken before the rewrite fails until they are taken again."""
+    torch = pytest.importorskip("torch")
+    import contextlib
+    import random
+
+    from cumem_rs.bench.subjects import TensorSubject, choose_chunks
+    from cumem_rs.workload import TorchWorkload
+
+    class HostPools:  # plain host tensors: the rewrite logic is the same on any device
+        def use_memory_pool(self, tag):
+            return contextlib.nullcontext()
+
+    specs = reference_workload(1024, kv_gib=0)[:12]
+    wl = TorchWorkload(specs, device="cpu")
+    wl.allocate(HostPools())
+    wl.fill("weights")
+    subject = TensorSubject(wl)
+    subject.remember()
+    before = [t.reshape(-1).view(torch.uint8).clone() for t in wl.tensors]
+    chunk = 4096
+    ranges = choose_chunks(subject.spans(), chunk, 0.1, random.Random(3))
+    ids = {k for a, n in subject.spans() for k in range(a // chunk, (a + n - 1) // chunk + 1)}
+    assert len(ranges) == round(len(ids) * 0.1)
+    assert all(n == chunk and lo % chunk == 0 and lo // chunk in ids for lo, n in ranges)
+    subject.rewrite(ranges)
+    with pytest.raises(VerificationError):
+        subject.verify()
+    subject.remember()
+    subject.verify()
+    chosen = torch.tensor(sorted(lo for lo, _ in ranges))
+    for t, old in zip(wl.tensors, before):
+        new = t.reshape(-1).view(torch.uint8)
+        inside = torch.isin((torch.arange(new.numel()) + t.data_ptr()) // chunk * chunk, chosen)
+        assert torch.equal(new[inside], old[inside] + 1)
+        assert torch.equal(new[~inside], old[~inside])
+    subject.rewrite(subject.spans())  # "all weights rewritten": every byte changes
+    assert all(not torch.equal(t.reshape(-1).view(torch.uint8), o) for t, o in zip(wl.tensors, before))
 
 
 def test_bench_script_wrapper(tmp_path):
@@ -218,7 +317,36 @@ def test_demo_on_the_gpu():
 def test_bench_on_the_gpu(tmp_path):
     out = tmp_path / "bench.json"
     p = run_cli("bench", "--backend", "cuda", "--scale", "16", "--kv-gib", "4", "--cycles", "2",
-                "--malloc-count", "50", "--no-tms", "--json", str(out), timeout=300)
+                "--malloc-count", "50", "--only", "sleep_wake,malloc", "--json", str(out), timeout=300)
     assert p.returncode == 0, p.stdout + p.stderr
     m = json.loads(out.read_text())["metrics"]
     assert m["copy_d2h_gbps"] > 0 and m["sleep_ratio"] > 0 and m["host_bytes_after_wake_nokeep"] == 0
+    assert m["sleep_skipped_all_bytes"] == [0, 0, 0] and m["errors"] == []
+
+
+@pytest.mark.skipif(not gpu_usable(), reason="needs a CUDA GPU and CUDA torch")
+def test_bench_new_tables_on_the_gpu(tmp_path):
+    """Retained backups through both layers (in-place rewrites by torch kernels, data verified after every wake),
+    the wall-time table and a short allocation-count table, at a small scale."""
+    out = tmp_path / "bench.json"
+    p = run_cli("bench", "--backend", "cuda", "--scale", "16", "--kv-gib", "4", "--cycles", "1", "--only",
+                "retained,wall,alloc_count", "--alloc-counts", "16,128", "--json", str(out), timeout=300)
+    assert p.returncode == 0, p.stdout + p.stderr
+    m = json.loads(out.read_text())["metrics"]
+    assert m["errors"] == []
+    w = m["weights_bytes"]
+    for layer in ("core", "torch"):
+        on, off = m[f"retained_{layer}_on_cycles"], m[f"retained_{layer}_off_cycles"]
+        assert _median_report(on["unchanged"], "copied_bytes") == 0
+        assert _median_report(on["unchanged"], "skipped_bytes") >= w
+        assert 0 < _median_report(on["one_percent"], "copied_bytes") <= 0.05 * w
+        assert _median_report(on["all"], "copied_bytes") >= 0.99 * w
+        for kind in ("unchanged", "one_percent", "all"):
+            assert _median_report(off[kind], "skipped_bytes") == 0
+        assert m[f"retained_{layer}_on_wake_ratio"] > 0
+    for call in ("sleep", "wake", "discard"):
+        assert m[f"wall_{call}_wall_s"] >= m[f"wall_{call}_core_s"] > 0
+    assert m["wall_gc_collect_s"] >= 0
+    for layer in ("core", "torch"):
+        for n in (16, 128):
+            assert m[f"alloc_count_{layer}_{n}_sleep_ratio"] > 0 and m[f"alloc_count_{layer}_{n}_wake_ratio"] > 0

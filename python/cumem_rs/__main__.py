@@ -3,7 +3,8 @@
 info   what this machine offers: the CUDA backend (devices, memory, granularity) and the simulated device.
 demo   the main job: the reference workload (Llama-3-8B weights + KV cache) put to sleep and woken up, with its
        data and addresses verified; on the GPU through CuMemAllocator, else scaled down on the simulated device.
-bench  the sleep/wake benchmark against the copy limit and raw driver calls (see cumem_rs.bench).
+bench  the benchmark tables (sleep/wake, retained backups, wall time, allocation count, malloc, the peer)
+       against the copy limit and raw driver calls, each selectable with --only (see cumem_rs.bench).
 """
 
 from __future__ import annotations
@@ -276,7 +277,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--seed", type=int, default=0, help="seed of the weights' random content")
     demo.set_defaults(func=cmd_demo)
 
-    b = sub.add_parser("bench", help="sleep/wake and malloc benchmark",
+    b = sub.add_parser("bench", help="sleep/wake, retained-backup, allocation-count and malloc benchmarks",
                        description=(bench.__doc__ or "").strip(),
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     bench.add_arguments(b)

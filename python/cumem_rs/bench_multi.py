@@ -22,17 +22,10 @@ import sys
 import time
 from typing import Any, Callable, Optional
 
-from .bench import (
-    publish,
-    DEFAULT_CYCLES,
-    Results,
-    _memcpy_gbps,
-    _sleep_wake_cycles,
-    fmt_bytes,
-    resolve_backend,
-    say,
-    timed,
-)
+from .bench import DEFAULT_CYCLES, publish, resolve_backend
+from .bench.common import Results, fmt_bytes, say, timed
+from .bench.limits import memcpy_gbps as _memcpy_gbps
+from .bench.sleep_wake import sleep_wake_cycles as _sleep_wake_cycles
 from .workload import (
     add_workload_arguments,
     KV_TAG,

@@ -37,15 +37,15 @@ type Batches = HashMap<i32, Vec<DevPtr>>;
 /// (compare, queue the copies of changed chunks), `finish_sleep_prints` (wait, release, keep the new prints).
 pub(super) struct SleepPrints {
     batches: Batches,
-    /// Markers after the fingerprint batches, then after the changed-chunk copies (None: no marker could be
-    /// recorded, wait for the whole stream instead).
+    /// Markers after the fingerprint batches (None: no marker could be recorded, wait for the whole stream).
     markers: Vec<(i32, Option<u64>)>,
     /// Offloaded allocations with a retained backup.
     retained: Vec<DevPtr>,
     /// Every offloaded allocation of this sleep.
     backed: Vec<DevPtr>,
-    /// Retained allocations whose changed chunks are queued, with their backup.
-    queued: Vec<(DevPtr, Backup)>,
+    /// Retained allocations whose changed chunks are queued, with their backup and, when something was copied,
+    /// the device and the marker after their copies (None: wait for the whole stream), in queue order.
+    queued: Vec<(DevPtr, Backup, Option<(i32, Option<u64>)>)>,
     /// The prints taken now, per allocation.
     now: HashMap<DevPtr, Vec<Fingerprint>>,
     queue_seconds: f64,
@@ -220,7 +220,6 @@ impl Engine {
                 Err(e) => self.fingerprints_failed(inner, &e),
             }
         }
-        let mut devices = Vec::new();
         let mut result = Ok(());
         for &addr in &sp.retained {
             let a = inner.reg.get(addr).expect("selected");
@@ -240,6 +239,7 @@ impl Engine {
                     runs.push((off, len));
                 }
             }
+            let copied = !runs.is_empty();
             for (off, len) in runs {
                 if let Err(e) = self.copy_out_to(device, addr + off as u64, &backup, off, len) {
                     result = Err(e);
@@ -247,24 +247,22 @@ impl Engine {
                 }
                 report.copied_bytes += len;
             }
-            if !devices.contains(&device) {
-                devices.push(device);
-            }
-            sp.queued.push((addr, backup));
+            // A marker per allocation, so that each is released as soon as its own copies are done.
+            let marker = copied.then(|| match self.driver.record_marker(device) {
+                Ok(m) => (device, Some(m)),
+                Err(e) => {
+                    if result.is_ok() {
+                        result = Err(e);
+                    }
+                    (device, None)
+                }
+            });
+            sp.queued.push((addr, backup, marker));
             if result.is_err() {
                 break;
             }
         }
         report.fingerprint_seconds = sp.queue_seconds + started.elapsed().as_secs_f64();
-        for dev in devices {
-            match self.driver.record_marker(dev) {
-                Ok(m) => sp.markers.push((dev, Some(m))),
-                Err(e) => {
-                    result = result.and(Err(e));
-                    sp.markers.push((dev, None));
-                }
-            }
-        }
         result
     }
 
@@ -306,15 +304,23 @@ impl Engine {
         report: &mut Report,
         first_err: &mut Option<Error>,
     ) {
+        // After a failure release nothing more, but wait for every marker.
         let mut ok = copies_ok;
         for (dev, m) in sp.markers {
+            // Fingerprint markers `issue_changed_chunks` did not get to (none in the usual order).
             if let Err(e) = self.wait_marker_or_stream(dev, m) {
                 ok = false;
                 first_err.get_or_insert(e);
             }
         }
-        if ok {
-            for (addr, backup) in sp.queued {
+        for (addr, backup, marker) in sp.queued {
+            if let Some((dev, m)) = marker {
+                if let Err(e) = self.wait_marker_or_stream(dev, m) {
+                    ok = false;
+                    first_err.get_or_insert(e);
+                }
+            }
+            if ok {
                 if let Err(e) = self.release_to_sleep(inner, addr, Some(backup), report) {
                     first_err.get_or_insert(e);
                 }

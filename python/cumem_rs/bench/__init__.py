@@ -1,0 +1,190 @@
+"""Sleep/wake benchmark on the reference workload (see workload.py), every figure a ratio of a reference measured
+in the same run. One table per measured thing; --only picks some (default: all of them):
+
+  sleep_wake   the copy path (retained backups off): one cold first cycle, then the median of --cycles steady
+               cycles, against the pinned-copy limit, with the core's own time beside the wall time; host RAM
+               held after wake under each keep_host_memory policy; discard of the KV cache alone against raw
+               cuMemUnmap+cuMemRelease (and its re-map against cuMemCreate+cuMemMap)
+  retained     retained backups on and off: sleep with the weights unchanged since the wake (with its
+               breakdown), with 1% of the chunks rewritten in place, with all rewritten; wake; through the core
+               Allocator and CuMemAllocator
+  wall         CuMemAllocator.sleep / wake_up / discard wall time against the core's time and the copy limit
+  alloc_count  12 GiB as 16 / 128 / 1024 / 6144 allocations (--alloc-counts): steady sleep and wake against
+               the copy of 12 GiB, core Allocator and CuMemAllocator
+  malloc       500 allocations of 1-64 MiB: torch.empty in use_memory_pool and Allocator.malloc/free, against
+               raw driver calls (ctypes on libcuda)
+  peer         torch_memory_saver when installed, in a child process (run first, while the GPU is empty): its
+               pause/resume, and the retained table's three pauses with retain_cpu_backup off and on
+
+Data is verified after every wake. On the simulated device (no GPU) every table runs at a small scale with a host
+memcpy as the limit (the torch-layer and peer rows are skipped), so CI can smoke-run the whole benchmark.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from typing import Optional
+
+from ..workload import (
+    DEFAULT_KV_GIB,
+    KV_TAG,
+    WEIGHTS_TAG,
+    VerificationError,
+    add_workload_arguments,
+    reference_workload,
+    sim_granularity,
+    total_bytes,
+)
+from . import alloc_count, malloc, peer_tms, retained, sleep_wake, wall
+from .common import Context, Results, fmt_bytes, fmt_seconds, print_table, say, timed
+from .limits import copy_limit, memcpy_gbps
+from .malloc import DEFAULT_MALLOC_COUNT, RawDriver, malloc_sizes
+from .sleep_wake import host_policy_rows, sleep_wake_cycles
+
+__all__ = [
+    "DEFAULT_CYCLES", "DEFAULT_MALLOC_COUNT", "DEFAULT_SIM_SCALE", "TABLES", "Context", "RawDriver", "Results",
+    "add_arguments", "copy_limit", "fmt_bytes", "fmt_seconds", "host_policy_rows", "main", "malloc_sizes",
+    "memcpy_gbps", "print_table", "publish", "resolve_backend", "run", "say", "sleep_wake_cycles", "timed",
+]
+
+DEFAULT_SIM_SCALE = 256
+DEFAULT_CYCLES = 3
+
+#: Table name -> module with run(ctx), in the order they run. The peer goes first: its child process needs the
+#: GPU memory the other tables take (its rows come last, from peer_tms.finish).
+TABLES = {
+    "peer": peer_tms,
+    "sleep_wake": sleep_wake,
+    "retained": retained,
+    "wall": wall,
+    "alloc_count": alloc_count,
+    "malloc": malloc,
+}
+
+
+def _table_list(text: str) -> list[str]:
+    names = [x.strip() for x in text.split(",") if x.strip()]
+    unknown = [n for n in names if n not in TABLES]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"unknown table(s) {', '.join(unknown) or repr(text)}; choose from "
+                                         f"{', '.join(TABLES)}")
+    return names
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_workload_arguments(p, sim_scale=DEFAULT_SIM_SCALE, kv_gib=DEFAULT_KV_GIB, cycles=DEFAULT_CYCLES,
+                           cycles_help="steady cycles per measured row, after the warm-up or cold one")
+    p.add_argument("--only", type=_table_list, default=list(TABLES), metavar="TABLE[,TABLE...]",
+                   help=f"run only these tables ({', '.join(TABLES)}; default all)")
+    p.add_argument("--malloc-count", type=int, default=DEFAULT_MALLOC_COUNT,
+                   help=f"allocations of 1-64 MiB in the malloc table (default {DEFAULT_MALLOC_COUNT})")
+    p.add_argument("--alloc-counts", type=alloc_count.parse_counts, default=alloc_count.COUNTS, metavar="N[,N...]",
+                   help="allocation counts of the alloc_count table (default "
+                        f"{','.join(map(str, alloc_count.COUNTS))})")
+    p.add_argument("--no-tms", dest="tms", action="store_false",
+                   help="skip the torch_memory_saver (peer) table even when it is installed")
+    p.add_argument("--json", metavar="PATH", help="also write every number to PATH as JSON")
+    p.add_argument("--tms-child", choices=["preload", "torch"], help=argparse.SUPPRESS)
+
+
+def resolve_backend(requested: str) -> str:
+    """"cuda" or "sim"; raises SystemExit with a message when cuda is requested but unusable."""
+    from .. import cuda_available
+
+    if requested == "sim":
+        return "sim"
+    reason = ""
+    if not cuda_available():
+        reason = "cumem_rs found no CUDA driver or device"
+    else:
+        try:
+            import torch
+
+            if not torch.cuda.is_available():
+                reason = f"torch {torch.__version__} has no CUDA"
+        except ImportError:
+            reason = "torch is not installed"
+    if not reason:
+        return "cuda"
+    if requested == "cuda":
+        raise SystemExit(f"error: --backend cuda: {reason}")
+    return "sim"
+
+
+def _describe(ctx: Context) -> None:
+    """The run's common metrics and its first line."""
+    specs = reference_workload(ctx.scale, ctx.args.kv_gib)
+    wbytes, kvbytes = total_bytes(specs, WEIGHTS_TAG), total_bytes(specs, KV_TAG)
+    m = ctx.res.metrics
+    m.update(backend=ctx.backend, scale=ctx.scale, weights_bytes=wbytes, kv_bytes=kvbytes, tensors=len(specs),
+             tables=list(ctx.args.only))
+    if not ctx.gpu:
+        m["granularity"] = sim_granularity(ctx.scale)
+        say(f"simulated device: scale 1/{ctx.scale}, {len(specs)} tensors, weights {fmt_bytes(wbytes)}, "
+            f"granularity {fmt_bytes(m['granularity'])}; tables {', '.join(ctx.args.only)}")
+        return
+    torch = ctx.torch
+    m.update(device=torch.cuda.get_device_name(ctx.device), torch=torch.__version__)
+    free, total = torch.cuda.mem_get_info(ctx.device)
+    say(f"{m['device']}: scale 1/{ctx.scale}, {len(specs)} tensors, weights {fmt_bytes(wbytes)}, kv_cache "
+        f"{fmt_bytes(kvbytes)}, GPU free {fmt_bytes(free)} of {fmt_bytes(total)}; tables {', '.join(ctx.args.only)}")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.scale is not None and args.scale < 1:
+        raise SystemExit("error: --scale must be >= 1")
+    if args.cycles < 0 or args.malloc_count < 1 or args.kv_gib < 0:
+        raise SystemExit("error: --cycles and --kv-gib must be >= 0 and --malloc-count >= 1")
+    if args.tms_child:
+        out = peer_tms.tms_child(args)
+        with open(args.json, "w") as f:
+            json.dump(out, f)
+        return 0
+    if not args.tms:
+        args.only = [t for t in args.only if t != "peer"]
+    backend = resolve_backend(args.backend)
+    ctx = Context(args, backend, Results(), args.scale or (1 if backend == "cuda" else DEFAULT_SIM_SCALE))
+    _describe(ctx)
+    seconds = ctx.res.metrics["table_seconds"] = {}
+    try:
+        for name, table in TABLES.items():
+            if name in args.only:
+                t0 = time.perf_counter()
+                table.run(ctx)
+                seconds[name] = time.perf_counter() - t0
+                say(f"table {name}: {seconds[name]:.1f} s")
+        if "peer" in args.only:
+            peer_tms.finish(ctx)
+    except VerificationError as e:
+        print(f"error: verification failed: {e}", file=sys.stderr)
+        return 1
+    if ctx.gpu:
+        from .. import Allocator
+
+        ctx.add_errors(Allocator.cuda().errors())
+    m = ctx.res.metrics
+    m["errors"] = ctx.errors
+    publish(ctx.res, f"cumem_rs sleep/wake benchmark ({backend}, scale 1/{m['scale']}, {m['tensors']} tensors)",
+            args.json)
+    return 0
+
+
+def publish(res: Results, title: str, json_path: Optional[str]) -> None:
+    """Print the tables and the allocator's recorded errors; write every number to `json_path` when given."""
+    res.print(title)
+    if res.metrics.get("errors"):
+        print(f"allocator recorded errors: {res.metrics['errors']}")
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump({"metrics": res.metrics, "rows": res.rows}, f, indent=1)
+        print(f"wrote {json_path}")
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m cumem_rs.bench", description=(__doc__ or "").splitlines()[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(p)
+    return run(p.parse_args(argv))
