@@ -1,6 +1,6 @@
 """What an adversarial review found, from Python, each with the test that would have caught it.
 
-- helper threads the OS refuses (every place that starts one) and panics: no PanicException, no copy still
+- worker threads the OS refuses (every place that starts one) and panics: no PanicException, no copy still
   queued when host memory goes back, and a clear CumemError from an allocator a panic left unusable;
 - a raw stream handle given to `malloc` (CUDA crashed in `free`): refused;
 - rounds of sleep and partial wake multiplied the host memory held: a state machine checks the bound after
@@ -29,12 +29,12 @@ MiB = 1 << 20
 needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="no CUDA device (cuda_available() is False)")
 
 
-# --- helper threads and panics ----------------------------------------------------------------------------
+# --- worker threads and panics ----------------------------------------------------------------------------
 
 
 def every_spawn_site(a: Allocator) -> None:
     """A cold sleep of an allocation big enough to be touched by several threads (on a machine with several
-    cores), wake, then `reserve_host`, which pins a buffer whole: every place that starts a helper thread."""
+    cores), wake, then `reserve_host`, which pins a buffer whole: every place that starts a worker thread."""
     big = 80 * MiB  # touching goes parallel from 64 MiB
     a.push_tag("weights")
     try:
@@ -63,7 +63,7 @@ def test_a_refused_thread_at_every_spawn_site_leaves_the_work_to_the_calling_thr
     every_spawn_site(a)
     sites = call_counts(a)["thread_spawn"]
     a.close()
-    assert sites >= 1, "the scenario starts no helper thread"
+    assert sites >= 1, "the scenario starts no worker thread"
     for nth in range(1, sites + 1):
         a = big_sim()
         try:
@@ -76,7 +76,7 @@ def test_a_refused_thread_at_every_spawn_site_leaves_the_work_to_the_calling_thr
             a.close()
 
 
-# Run in a child process: the second sleep must pin on a helper thread while the process limit leaves no room
+# Run in a child process: the second sleep must pin on a worker thread while the process limit leaves no room
 # for one more thread (root is not bound by that limit, so the child drops to an unprivileged user first).
 OS_REFUSES_A_THREAD = """
 import os, resource
@@ -124,7 +124,7 @@ def test_a_panic_surfaces_as_cumem_error_and_leaves_the_allocator_refusing_calls
     addrs = [a.malloc(3 * 64 * 1024, device=d % 2) for d in range(4)]
     a.pop_tag()
     if op == "host_register":
-        # The panicking registration comes after copies of ready cells were queued (the issue's case): a first
+        # The panicking registration comes after copies of ready cells were queued (the review's case): a first
         # sleep leaves cell 3 unpinned in the cached arena, the second pins it after copying the others.
         a.inject_fault("host_register", 3)
         a.sleep("weights")

@@ -155,7 +155,7 @@ class Allocator:
         """Errors recorded by calls that could not raise (my_free), oldest first."""
     def inject_fault(self, op: str, nth: int = 1, error: str = "unknown") -> None:
         """Simulated driver only: the `nth` next call of `op` fails with `error` (see FAULT_OPS, FAULT_ERRORS).
-        "thread_spawn" is the allocator starting a helper thread: when it fails, the work runs on the calling
+        "thread_spawn" is the allocator starting a worker thread: when it fails, the work runs on the calling
         thread and the failure is recorded in `errors()`."""
     def inject_panic(self, op: str, nth: int = 1) -> None:
         """Simulated driver only, a test hook: the `nth` next call of `op` panics inside the driver. The panic

@@ -21,7 +21,7 @@ use crate::error::{Error, Result};
 /// Below this size one thread touches the pages; above it, the work is split across threads.
 const PARALLEL_TOUCH_MIN: usize = 64 << 20;
 const MAX_TOUCH_THREADS: usize = 16;
-/// What pinning one cell gave: the registration's result and a helper thread that could not start, if any.
+/// What pinning one cell gave: the registration's result and a worker thread that could not start, if any.
 type PinResult = (Result<()>, Option<Error>);
 
 /// Cells pinned at once during a cold sleep. Measured on an H200 host (16 cores): eight workers each touching
@@ -46,7 +46,7 @@ pub struct HostBuffer {
     /// False once `release` gave the memory back, so Drop has nothing left to do.
     live: bool,
     driver: Arc<dyn Driver>,
-    /// Failures absorbed while pinning (a helper thread that could not start), for the engine to record.
+    /// Failures absorbed while pinning (a worker thread that could not start), for the engine to record.
     pub notes: Vec<Error>,
 }
 

@@ -171,7 +171,7 @@ fn issue_cell(
 /// threads while the copies of ready cells run. Returns the issued cells (to wait for in issue order) and the
 /// first error; after an error no further cell is issued, and the copy streams are drained at once.
 /// Cells the driver would not pin are copied through pageable memory (correct, slower) and their errors are
-/// pushed to `absorbed` (helper threads that could not start are noted in `arena.notes`).
+/// pushed to `absorbed` (worker threads that could not start are noted in `arena.notes`).
 pub fn issue_copy_out<'d>(
     driver: &'d dyn Driver,
     arena: &mut HostBuffer,

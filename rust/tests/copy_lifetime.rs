@@ -217,7 +217,7 @@ fn no_host_buffer_is_unpinned_under_queued_copies_whatever_fails() {
 }
 
 /// The review's case: a first sleep whose third registration fails leaves a cached arena with an unpinned cell;
-/// the second sleep queues the copies of the pinned cells, then pins that cell on a helper thread. `arm` makes
+/// the second sleep queues the copies of the pinned cells, then pins that cell on a worker thread. `arm` makes
 /// that step go wrong (no thread, or a panic while pinning). Returns the log and whether the sleep panicked.
 fn second_sleep_pins_with(arm: impl Fn(&SimDriver)) -> (Vec<Call>, bool) {
     let (rec, e) = recorded_engine();

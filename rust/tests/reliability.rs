@@ -1,4 +1,4 @@
-//! What an adversarial review found, each with the test that would have caught it: helper threads the OS
+//! What an adversarial review found, each with the test that would have caught it: worker threads the OS
 //! refuses, panics under the engine lock, host memory growing over partial wakes, frees that fail half way,
 //! size setters that wrap, fault arguments that wrap, and tag stacks that pile up.
 
@@ -28,7 +28,7 @@ fn backups_referenced(e: &Engine) -> usize {
 
 /// A cold sleep of one allocation large enough that its pages are touched by several threads (on a machine
 /// with several cores), a wake, then `reserve_host`, which pins a buffer whole: every place that starts a
-/// helper thread. Returns the allocation's address.
+/// worker thread. Returns the allocation's address.
 fn every_spawn_site(sim: &SimDriver, e: &Engine) -> u64 {
     const BIG: usize = 80 << 20; // above the 64 MiB where touching goes parallel
     e.push_tag("weights").unwrap();
@@ -55,7 +55,7 @@ fn a_refused_thread_at_every_spawn_site_leaves_the_work_to_the_calling_thread() 
     every_spawn_site(&sim, &e);
     let sites = calls(&sim, "thread_spawn");
     e.close().unwrap();
-    assert!(sites >= 1, "the scenario starts no helper thread");
+    assert!(sites >= 1, "the scenario starts no worker thread");
     for nth in 1..=sites {
         let (sim, e) = engine(1, 256 << 20);
         sim.inject_fault(Op::ThreadSpawn, nth, 999).unwrap();

@@ -7,7 +7,7 @@
 //!
 //! The methods that read or write host memory through a `HostPtr` (copies, pinning, freeing pinned memory) are
 //! `unsafe fn`: a `HostPtr` is only an address, and nothing in the type proves that the memory behind it lives
-//! long enough. Their callers are `host.rs` (arenas) and the two copy helpers at the end of this file, which
+//! long enough. Their callers are `host.rs` (arenas) and the two slice copies at the end of this file, which
 //! wait for their copy before the borrowed slice goes away. So safe code cannot make the driver write through a
 //! made-up address; this does not compile:
 //!
@@ -42,7 +42,7 @@ pub type DevPtr = u64;
 pub struct PhysHandle(pub u64);
 
 /// Raw host address handed to copies and pinning. Only an address: the driver methods that use one are `unsafe`,
-/// and their callers (`host.rs`, the slice helpers below) answer for the memory behind it.
+/// and their callers (`host.rs`, the slice copies below) answer for the memory behind it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct HostPtr(pub usize);
 
@@ -65,7 +65,7 @@ pub enum Op {
     HostUnregister,
     HostAlloc,
     Fingerprint,
-    /// Not a driver call: the allocator starting a helper thread (see `Driver::thread_spawn`).
+    /// Not a driver call: the allocator starting a worker thread (see `Driver::thread_spawn`).
     ThreadSpawn,
 }
 
@@ -192,7 +192,7 @@ pub trait Driver: Send + Sync {
     /// must not be used afterwards.
     unsafe fn host_free(&self, ptr: HostPtr) -> Result<()>;
 
-    /// Asked before the allocator starts a helper thread (pinning, first touch of host pages). Real drivers
+    /// Asked before the allocator starts a worker thread (pinning, first touch of host pages). Real drivers
     /// allow it; the simulated driver counts the call as `Op::ThreadSpawn` and fails it when a fault is armed,
     /// so that tests reach the path where no thread could be started and the work runs on the calling thread.
     fn thread_spawn(&self) -> Result<()> {

@@ -46,8 +46,8 @@ const PIN_CHUNK: usize = 512 << 20;
 
 static NEXT_ENGINE_ID: AtomicU64 = AtomicU64::new(1);
 
-/// Context of a recorded failure to start a helper thread.
-const THREAD_REFUSED: &str = "starting a helper thread (its work ran on the calling thread)";
+/// Context of a recorded failure to start a worker thread.
+const THREAD_REFUSED: &str = "starting a worker thread (its work ran on the calling thread)";
 
 /// Why a poisoned engine refuses a call.
 const POISONED: &str = "the allocator is unusable: a call panicked (an internal error) while it held the \
