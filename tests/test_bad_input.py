@@ -95,6 +95,14 @@ def test_malloc_unknown_device(alloc, w):
     w.check()
 
 
+@pytest.mark.parametrize("stream", [0xDEADBEEF, -1])
+def test_malloc_raw_stream_handle(alloc, w, stream):
+    # On CUDA a made-up handle reached cuStreamIsCapturing at free and crashed the process.
+    with pytest.raises(ValueError, match="stream"):
+        alloc.malloc(4096, 0, stream)
+    w.check()
+
+
 # --- addresses ------------------------------------------------------------------------------------------------
 
 
@@ -268,6 +276,7 @@ CLOSED_CALLS = [
     ("usage", ()),
     ("allocations", ()),
     ("reserve_host", (4096,)),
+    ("set_pin_chunk", (4096,)),
     ("push_tag", ("weights",)),
 ]
 
@@ -289,8 +298,13 @@ def test_calls_after_close(sim, method, args):
 
 @pytest.mark.parametrize(
     "args,bad",
-    [(("no_such_op",), "no_such_op"), (("create", 1, "no_such_error"), "no_such_error"), (("create", 0), "nth")],
-    ids=["op", "error", "nth"],
+    [
+        (("no_such_op",), "no_such_op"),
+        (("create", 1, "no_such_error"), "no_such_error"),
+        (("create", 0), "nth"),
+        (("create", 2**64 - 1), "nth"),  # would wrap around past the call counter and never fire
+    ],
+    ids=["op", "error", "nth", "nth-too-far"],
 )
 def test_inject_fault_bad_arguments(sim, args, bad):
     w = Witness(sim)

@@ -31,7 +31,8 @@ FAULT_OPS: list[str]
 FAULT_ERRORS: list[str]
 
 class CumemError(RuntimeError):
-    """Base class of every error raised by cumem_rs."""
+    """Base class of every error raised by cumem_rs. An internal error (a caught Rust panic) is a CumemError
+    too; if it interrupted a call holding the allocator's lock, that allocator refuses every later call."""
 
 class CumemOutOfMemoryError(CumemError):
     """Physical device memory (or host backup memory) ran out."""
@@ -81,10 +82,18 @@ class Allocator:
     def granularity(self, device: int = 0) -> int: ...
     def mem_info(self, device: int = 0) -> tuple[int, int]:
         """(free, total) physical bytes of the device."""
-    def malloc(self, size: int, device: int = 0, stream: int = 0) -> int:
-        """Reserve, create, map `size` bytes (rounded up to the granularity) under the current tag."""
+    def malloc(self, size: int, device: int = 0, stream: object = None) -> int:
+        """Reserve, create, map `size` bytes (rounded up to the granularity) under the current tag.
+
+        `stream` is the stream whose work `free` waits for (and whose graph capture it respects): None or 0 (no
+        stream: free synchronizes the device), or a `torch.cuda.Stream`. Raw integer handles (and
+        `torch.cuda.ExternalStream`, which wraps one) are refused with ValueError / TypeError: they cannot be
+        checked and a wrong one would crash the process at free."""
     def free(self, address: int) -> None:
-        """Free a live allocation, awake or asleep (its backup is released too)."""
+        """Free a live allocation, awake or asleep (its backup is released too). If the driver refuses the
+        synchronize or unmap, this raises and the allocation stays live (try again later); a release failing
+        after the unmap is queued for retry instead. (`my_free`, whose caller forgets the pointer, queues the
+        whole release and records the failure in `errors()`.)"""
     def push_tag(self, tag: str) -> None:
         """Make `tag` the current tag of the calling thread (a stack; innermost wins)."""
     def pop_tag(self) -> str:
@@ -123,11 +132,17 @@ class Allocator:
     def stats(self) -> dict:
         """Counters: live allocations, mapped/asleep/host bytes, last sleep and wake reports, error counts."""
     def host_bytes(self) -> int:
-        """Host backup bytes held (in use by asleep allocations plus cached for the next sleep)."""
+        """Host backup bytes held (in use by asleep allocations plus cached for the next sleep). Bounded: at
+        most the bytes asleep with a backup plus one spare arena no larger than the largest backup one sleep
+        made (or `reserve_host` asked for); backups left in arenas with holes by partial wakes are moved
+        together when needed to stay within that."""
     def set_keep_host_memory(self, keep: bool) -> None:
         """Keep host backup memory after wake for a fast next sleep (True, default) or return it (False)."""
     def reserve_host(self, nbytes: int) -> None:
         """Acquire and pin `nbytes` of host backup memory now, ahead of the first sleep."""
+    def set_pin_chunk(self, nbytes: int) -> None:
+        """Cell size (rounded up to whole pages; default 512 MiB) in which a cold sleep pins host memory while
+        the first cells already copy. ValueError when not positive or too large to round."""
     def trim_host(self) -> int:
         """Drop retained backups and return cached, unused host backup memory to the OS; returns bytes released."""
     def set_retain_backups(self, on: bool) -> None:
@@ -142,7 +157,12 @@ class Allocator:
     def errors(self) -> list[str]:
         """Errors recorded by calls that could not raise (my_free), oldest first."""
     def inject_fault(self, op: str, nth: int = 1, error: str = "unknown") -> None:
-        """Simulated driver only: the `nth` next call of `op` fails with `error` (see FAULT_OPS, FAULT_ERRORS)."""
+        """Simulated driver only: the `nth` next call of `op` fails with `error` (see FAULT_OPS, FAULT_ERRORS).
+        "thread_spawn" is the allocator starting a worker thread: when it fails, the work runs on the calling
+        thread and the failure is recorded in `errors()`."""
+    def inject_panic(self, op: str, nth: int = 1) -> None:
+        """Simulated driver only, a test hook: the `nth` next call of `op` panics inside the driver. The panic
+        surfaces as CumemError, and the allocator refuses later calls (see CumemError)."""
     def clear_faults(self) -> None: ...
     def driver_counts(self) -> dict:
         """Simulated driver only: live ranges, handles, host registrations, mapped bytes, per-op call counts."""

@@ -71,10 +71,11 @@ pub extern "C" fn my_malloc(size: usize, device: c_int, stream: *mut c_void) -> 
     }
 }
 
-/// Free memory torch got from `my_malloc`.
+/// Free memory torch got from `my_malloc`. torch forgets the pointer whatever happens here, so a release that
+/// fails part way is recorded and queued for retry (`Engine::free_or_queue`), never left as a live allocation.
 #[no_mangle]
 pub extern "C" fn my_free(ptr: *mut c_void, size: usize, device: c_int, _stream: *mut c_void) {
-    if let Err(e) = guarded(|| global::cuda_engine()?.free(ptr as u64)) {
+    if let Err(e) = guarded(|| global::cuda_engine()?.free_or_queue(ptr as u64)) {
         record(&format!("my_free({ptr:p}, {size}, device {device})"), &e);
     }
 }

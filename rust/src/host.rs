@@ -3,19 +3,27 @@
 //! Acquired the fast way: anonymous mmap, `MADV_HUGEPAGE`, first touch from several threads, then
 //! `host_register` (cuMemHostRegister). Pinning memory with `cuMemHostAlloc`/`cudaHostAlloc` takes about nine
 //! times longer for large sizes, so it is only the fallback when registering fails.
-//! `HostPool` keeps buffers for the next sleep (policy `keep`) so that steady sleeps pin nothing.
+//! `HostPool` keeps a buffer for the next sleep (policy `keep`) so that steady sleeps pin nothing.
+//!
+//! Helper threads (first touch, pinning) are started with `std::thread::Builder`, never `Scope::spawn`, which
+//! panics when the OS refuses a thread (a container's process limit): when no thread can be started the work
+//! runs on the calling thread, slower but the same, and the refusal is kept in `HostBuffer::notes`.
 
 use std::ffi::c_void;
 use std::sync::Arc;
+use std::thread::Scope;
 
 use rustix::mm::{madvise, mmap_anonymous, munmap, Advice, MapFlags, ProtFlags};
 
-use crate::driver::{Driver, HostPtr};
+use crate::driver::{DevPtr, Driver, HostPtr};
 use crate::error::{Error, Result};
 
 /// Below this size one thread touches the pages; above it, the work is split across threads.
 const PARALLEL_TOUCH_MIN: usize = 64 << 20;
 const MAX_TOUCH_THREADS: usize = 16;
+/// What pinning one cell gave: the registration's result and a worker thread that could not start, if any.
+type PinResult = (Result<()>, Option<Error>);
+
 /// Cells pinned at once during a cold sleep. Measured on an H200 host (16 cores): eight workers each touching
 /// and registering their own cells took 2.3 s for 15 GiB, while one worker whose cells are touched by all cores
 /// took about 1 s (concurrent registrations and page faults contend in the kernel). So: one pinning worker, and
@@ -38,6 +46,27 @@ pub struct HostBuffer {
     /// False once `release` gave the memory back, so Drop has nothing left to do.
     live: bool,
     driver: Arc<dyn Driver>,
+    /// Failures absorbed while pinning (a worker thread that could not start), for the engine to record.
+    pub notes: Vec<Error>,
+}
+
+/// Start `f` on a scoped thread named `name`. Err when no thread could be started (the driver's test hook or
+/// the OS refused); the caller then does the work itself. Never panics, unlike `Scope::spawn`.
+fn try_spawn<'scope, F>(
+    s: &'scope Scope<'scope, '_>,
+    driver: &dyn Driver,
+    name: &str,
+    f: F,
+) -> Result<()>
+where
+    F: FnOnce() + Send + 'scope,
+{
+    driver.thread_spawn()?;
+    std::thread::Builder::new()
+        .name(name.into())
+        .spawn_scoped(s, f)
+        .map(drop)
+        .map_err(|e| Error::InvalidState(format!("thread_spawn: the OS refused a new thread: {e}")))
 }
 
 impl HostBuffer {
@@ -71,6 +100,7 @@ impl HostBuffer {
             origin: Origin::Mapped { pinned: Vec::new() },
             live: true,
             driver: driver.clone(),
+            notes: Vec::new(),
         })
     }
 
@@ -81,8 +111,11 @@ impl HostBuffer {
         let Origin::Mapped { pinned } = &mut self.origin else {
             return Ok(());
         };
-        touch_pages(self.ptr + offset, len);
-        self.driver.host_register(HostPtr(self.ptr + offset), len)?;
+        self.notes
+            .extend(touch_pages(&*self.driver, self.ptr + offset, len));
+        // SAFETY: [ptr+offset, +len) lies inside our live mapping (asserted above), which stays mapped until
+        // `unpin` unregisters it.
+        unsafe { self.driver.host_register(HostPtr(self.ptr + offset), len)? };
         pinned.push((self.ptr + offset, len));
         Ok(())
     }
@@ -107,32 +140,52 @@ impl HostBuffer {
             .min(MAX_PIN_WORKERS)
             .min(cells.len());
         let next = std::sync::atomic::AtomicUsize::new(0);
-        let (tx, rx) = std::sync::mpsc::channel::<(usize, Result<()>)>();
+        let (tx, rx) = std::sync::mpsc::channel::<(usize, PinResult)>();
         let base = self.ptr;
+        let driver = self.driver.clone();
+        let pin_one = |i: usize| -> PinResult {
+            let (off, len) = cells[i];
+            let notes = touch_pages(&*driver, base + off, len);
+            // SAFETY: cells lie inside this buffer's live mapping, which stays mapped until `unpin` (which needs
+            // `&mut self`, held by this call until every worker has finished).
+            let r = unsafe { driver.host_register(HostPtr(base + off), len) };
+            (r, notes)
+        };
+        let take = || {
+            let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            (i < cells.len()).then_some(i)
+        };
         std::thread::scope(|s| {
             for _ in 0..workers {
                 let tx = tx.clone();
-                let (next, driver) = (&next, &self.driver);
-                s.spawn(move || loop {
-                    let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                    let Some(&(off, len)) = cells.get(i) else {
-                        break;
-                    };
-                    touch_pages(base + off, len);
-                    let r = driver.host_register(HostPtr(base + off), len);
-                    if tx.send((i, r)).is_err() {
-                        break;
+                let (take, pin_one) = (&take, &pin_one);
+                let started = try_spawn(s, &*self.driver, "cumem-pin", move || {
+                    while let Some(i) = take() {
+                        if tx.send((i, pin_one(i))).is_err() {
+                            break;
+                        }
                     }
                 });
+                if let Err(e) = started {
+                    self.notes.push(e);
+                }
             }
             drop(tx);
-            for (i, r) in rx {
+            let mut finish = |this: &mut HostBuffer, i: usize, (r, notes): PinResult| {
+                this.notes.extend(notes);
                 if r.is_ok() {
-                    if let Origin::Mapped { pinned } = &mut self.origin {
+                    if let Origin::Mapped { pinned } = &mut this.origin {
                         pinned.push((base + cells[i].0, cells[i].1));
                     }
                 }
-                on_ready(self, i, r);
+                on_ready(this, i, r);
+            };
+            for (i, r) in rx {
+                finish(self, i, r);
+            }
+            // Cells no worker took: no worker could be started. Pin them here, one by one.
+            while let Some(i) = take() {
+                finish(self, i, pin_one(i));
             }
         });
     }
@@ -144,6 +197,7 @@ impl HostBuffer {
         let Err(register_err) = buf.pin(0, len) else {
             return Ok((buf, None));
         };
+        let notes = std::mem::take(&mut buf.notes);
         drop(buf);
         let p = driver.host_alloc(len).map_err(|e| match e {
             Error::Driver { .. } | Error::OutOfMemory { .. } => Error::OutOfMemory {
@@ -157,6 +211,7 @@ impl HostBuffer {
             origin: Origin::DriverAlloc,
             live: true,
             driver: driver.clone(),
+            notes,
         };
         Ok((buf, Some(register_err)))
     }
@@ -234,12 +289,72 @@ impl HostBuffer {
         };
     }
 
+    /// Queue the copy of `len` device bytes at `src` into bytes [offset, offset+len) of this buffer.
+    ///
+    /// Crate-internal contract (why this is not an `unsafe fn`): the engine waits for every copy it queued
+    /// before the buffer is released or dropped (`transfer::InFlight` does so on every path, panics included).
+    pub(crate) fn queue_from_device(
+        &self,
+        device: i32,
+        src: DevPtr,
+        offset: usize,
+        len: usize,
+    ) -> Result<()> {
+        self.check_range(offset, len);
+        // SAFETY: [offset, offset+len) lies inside this live buffer (checked above), which outlives the copy by
+        // the contract above; only this copy writes to that range until it is waited for.
+        unsafe { self.driver.copy_d2h(device, self.at(offset), src, len) }
+    }
+
+    /// Queue the copy of bytes [offset, offset+len) of this buffer to `dst` on `device` (same contract).
+    pub(crate) fn queue_to_device(
+        &self,
+        device: i32,
+        dst: DevPtr,
+        offset: usize,
+        len: usize,
+    ) -> Result<()> {
+        self.check_range(offset, len);
+        // SAFETY: as in queue_from_device; the range is only read.
+        unsafe { self.driver.copy_h2d(device, dst, self.at(offset), len) }
+    }
+
+    /// Copy `len` bytes at `src_offset` of `src` to `offset` of this buffer, on the host. No device copy may be
+    /// queued into or out of either range (the engine calls this only with every copy waited for).
+    pub(crate) fn copy_from(
+        &mut self,
+        offset: usize,
+        src: &HostBuffer,
+        src_offset: usize,
+        len: usize,
+    ) {
+        self.check_range(offset, len);
+        src.check_range(src_offset, len);
+        // SAFETY: both ranges lie inside live buffers (checked above); `self` is borrowed mutably, so it is not
+        // `src`, and no device copy touches either range (contract above).
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                (src.ptr + src_offset) as *const u8,
+                (self.ptr + offset) as *mut u8,
+                len,
+            )
+        };
+    }
+
+    fn check_range(&self, offset: usize, len: usize) {
+        assert!(
+            offset.checked_add(len).is_some_and(|end| end <= self.len),
+            "[{offset}, +{len}) outside host buffer of {} bytes",
+            self.len
+        );
+    }
+
     /// Unpin and unmap now. When the driver refuses, the buffer comes back with the error, still mapped (and
     /// partly pinned), so that the caller can try again later instead of leaking a registration.
-    pub fn release(mut self) -> std::result::Result<(), (HostBuffer, Error)> {
+    pub fn release(mut self) -> std::result::Result<(), (Box<HostBuffer>, Error)> {
         match self.unpin() {
             Ok(()) => Ok(()),
-            Err(e) => Err((self, e)),
+            Err(e) => Err((Box::new(self), e)),
         }
     }
 
@@ -250,14 +365,17 @@ impl HostBuffer {
         match &mut self.origin {
             Origin::Mapped { pinned } => {
                 while let Some(&(p, _)) = pinned.last() {
-                    self.driver.host_unregister(HostPtr(p))?;
+                    // SAFETY: a piece we registered; no copy is in flight (the engine waits for every copy
+                    // before a buffer goes back).
+                    unsafe { self.driver.host_unregister(HostPtr(p))? };
                     pinned.pop();
                 }
                 // SAFETY: our own mapping, no longer registered; no copy is in flight, since the engine waits for
                 // every copy before a buffer goes back.
                 let _ = unsafe { munmap(self.ptr as *mut c_void, self.len) };
             }
-            Origin::DriverAlloc => self.driver.host_free(HostPtr(self.ptr))?,
+            // SAFETY: our host_alloc memory, freed once (`live` turns false below); no copy is in flight.
+            Origin::DriverAlloc => unsafe { self.driver.host_free(HostPtr(self.ptr))? },
         }
         self.live = false;
         Ok(())
@@ -274,8 +392,9 @@ impl Drop for HostBuffer {
 }
 
 /// Fault in every page once, from several threads for large buffers, so pinning later does not pay for page
-/// faults one by one and the kernel can back the range with huge pages.
-fn touch_pages(ptr: usize, len: usize) {
+/// faults one by one and the kernel can back the range with huge pages. Returns the failure to start a thread,
+/// if any (that thread's share was touched by this one).
+fn touch_pages(driver: &dyn Driver, ptr: usize, len: usize) -> Option<Error> {
     let page = rustix::param::page_size();
     let touch = |start: usize, end: usize| touch_range(start, end - start);
     let threads = std::thread::available_parallelism()
@@ -283,18 +402,23 @@ fn touch_pages(ptr: usize, len: usize) {
         .min(MAX_TOUCH_THREADS);
     if len < PARALLEL_TOUCH_MIN || threads < 2 {
         touch(ptr, ptr + len);
-        return;
+        return None;
     }
     let chunk = len.div_ceil(threads).next_multiple_of(page);
+    let mut refused = None;
     std::thread::scope(|s| {
         for i in 0..threads {
             let start = ptr + i * chunk;
             let end = (start + chunk).min(ptr + len);
             if start < end {
-                s.spawn(move || touch(start, end));
+                if let Err(e) = try_spawn(s, driver, "cumem-touch", move || touch(start, end)) {
+                    touch(start, end);
+                    refused.get_or_insert(e);
+                }
             }
         }
     });
+    refused
 }
 
 /// Fault in the pages of [ptr, ptr+len) from this thread.
@@ -309,12 +433,15 @@ fn touch_range(ptr: usize, len: usize) {
     }
 }
 
-/// Host buffers cached for the next sleep.
+/// The host buffer cached for the next sleep: one at most (the largest offered), since a second one would only
+/// hold RAM twice; more only while the driver refuses to unpin one (kept for a later trim rather than leaked).
 pub struct HostPool {
     driver: Arc<dyn Driver>,
     cached: Vec<HostBuffer>,
     /// Registration failures that the fallback absorbed, for the engine to record.
     pub fallbacks: Vec<Error>,
+    /// Helper threads that could not start while pinning (the work ran on the calling thread).
+    pub notes: Vec<Error>,
     /// Keep buffers after wake (fast next sleep) or give them back to the OS (low host RAM).
     pub keep: bool,
 }
@@ -325,6 +452,7 @@ impl HostPool {
             driver,
             cached: Vec::new(),
             fallbacks: Vec::new(),
+            notes: Vec::new(),
             keep: true,
         }
     }
@@ -336,8 +464,9 @@ impl HostPool {
             return Ok(buf);
         }
         self.trim()?;
-        let (buf, fallback) = HostBuffer::acquire(&self.driver, len)?;
+        let (mut buf, fallback) = HostBuffer::acquire(&self.driver, len)?;
         self.fallbacks.extend(fallback);
+        self.notes.append(&mut buf.notes);
         Ok(buf)
     }
 
@@ -352,15 +481,30 @@ impl HostPool {
         best.map(|(i, _)| i).map(|i| self.cached.swap_remove(i))
     }
 
-    /// Take back a buffer no allocation uses any more.
+    /// Take back a buffer no allocation uses any more: cached if it is the largest one offered (policy `keep`),
+    /// else returned to the OS.
     pub fn give_back(&mut self, buf: HostBuffer) -> Result<()> {
-        if self.keep {
-            self.cached.push(buf);
-            return Ok(());
+        if !self.keep {
+            return self.release_or_keep(buf);
         }
+        let largest = self.cached.iter().map(HostBuffer::len).max().unwrap_or(0);
+        if buf.len() <= largest {
+            return self.release_or_keep(buf);
+        }
+        let smaller = std::mem::replace(&mut self.cached, vec![buf]);
+        let mut first_err = Ok(());
+        for old in smaller {
+            if let Err(e) = self.release_or_keep(old) {
+                first_err = first_err.and(Err(e));
+            }
+        }
+        first_err
+    }
+
+    fn release_or_keep(&mut self, buf: HostBuffer) -> Result<()> {
         buf.release().map_err(|(buf, e)| {
             // Keep it for the next trim rather than leak the registration.
-            self.cached.push(buf);
+            self.cached.push(*buf);
             e
         })
     }
@@ -370,6 +514,7 @@ impl HostPool {
         if self.cached.iter().any(|b| b.len() >= len) {
             return Ok(());
         }
+        // `acquire` returned the cached buffers to the OS first (none was large enough), so this is the only one.
         let buf = self.acquire(len)?;
         self.cached.push(buf);
         Ok(())
@@ -390,7 +535,7 @@ impl HostPool {
             match buf.release() {
                 Ok(()) => freed += len,
                 Err((buf, e)) => {
-                    kept.push(buf);
+                    kept.push(*buf);
                     first_err.get_or_insert(e);
                 }
             }

@@ -2,6 +2,7 @@
 //! Every call into the engine releases the GIL, so a torch thread blocked in my_malloc (which never takes the
 //! GIL) can always make progress.
 
+use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::Arc;
 
 use pyo3::create_exception;
@@ -47,6 +48,49 @@ impl From<Error> for PyErr {
             Error::InvalidState(_) | Error::NoCuda(_) | Error::Panic(_) => CumemError::new_err(msg),
         }
     }
+}
+
+/// Run the body of a Python entry point, turning a Rust panic into `CumemError`: every entry goes through here,
+/// so no panic reaches Python as PyO3's `PanicException` (a `BaseException`, which `except Exception` misses).
+/// A panic that interrupted an engine call while it held the allocator's lock has also poisoned that allocator.
+fn guard<T>(body: impl FnOnce() -> PyResult<T>) -> PyResult<T> {
+    catch_unwind(AssertUnwindSafe(body))
+        .unwrap_or_else(|p| Err(Error::Panic(crate::panic_message(&*p)).into()))
+}
+
+/// The caller's stream for `malloc`, which `free` asks whether it is being captured into a CUDA graph. A raw
+/// integer handle cannot be checked, and a wrong one makes the driver crash the process, so only 0 / None (no
+/// stream: free synchronizes the device) or a `torch.cuda.Stream` (whose handle we read; torch never destroys
+/// those streams) are taken. `torch.cuda.ExternalStream`, which wraps any integer, is refused like an int.
+fn stream_arg(py: Python<'_>, obj: Option<&Bound<'_, PyAny>>) -> PyResult<u64> {
+    let Some(obj) = obj.filter(|o| !o.is_none()) else {
+        return Ok(0);
+    };
+    if obj.is_instance_of::<PyInt>() && !obj.is_instance_of::<PyBool>() {
+        let v = int_arg(obj, "stream")?;
+        if v == 0 {
+            return Ok(0);
+        }
+        return Err(PyValueError::new_err(format!(
+            "stream {v:#x}: Allocator.malloc takes no raw stream handle (it cannot be checked, and a wrong one \
+             would crash the process at free); pass 0 or None, or a torch.cuda.Stream"
+        )));
+    }
+    let torch_stream = py
+        .import("sys")?
+        .getattr("modules")?
+        .get_item("torch.cuda")
+        .and_then(|m| m.getattr("Stream"))
+        .ok();
+    if torch_stream.is_some_and(|cls| obj.get_type().is(&cls)) {
+        let handle = obj.getattr("cuda_stream")?;
+        return u64::try_from(int_arg(&handle, "stream.cuda_stream")?)
+            .map_err(|_| PyValueError::new_err("stream.cuda_stream is not a stream handle"));
+    }
+    Err(PyTypeError::new_err(format!(
+        "stream must be 0, None or a torch.cuda.Stream, not {}",
+        type_name(obj)
+    )))
 }
 
 fn type_name(obj: &Bound<'_, PyAny>) -> String {
@@ -167,112 +211,127 @@ impl Allocator {
         capacity: Option<&Bound<'_, PyAny>>,
         granularity: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Allocator> {
-        let defaults = SimConfig::default();
-        let arg = |obj: Option<&Bound<'_, PyAny>>, what, default| {
-            obj.map_or(Ok(default), |o| size_arg(o, what, false))
-        };
-        let config = SimConfig {
-            devices: arg(devices, "devices", defaults.devices)?,
-            capacity: arg(capacity, "capacity", defaults.capacity)?,
-            granularity: arg(granularity, "granularity", defaults.granularity)?,
-        };
-        let engine = Engine::new(Arc::new(SimDriver::new(config)?))?;
-        Ok(Allocator {
-            engine: Arc::new(engine),
-            shared: false,
+        guard(|| {
+            let defaults = SimConfig::default();
+            let arg = |obj: Option<&Bound<'_, PyAny>>, what, default| {
+                obj.map_or(Ok(default), |o| size_arg(o, what, false))
+            };
+            let config = SimConfig {
+                devices: arg(devices, "devices", defaults.devices)?,
+                capacity: arg(capacity, "capacity", defaults.capacity)?,
+                granularity: arg(granularity, "granularity", defaults.granularity)?,
+            };
+            let engine = Engine::new(Arc::new(SimDriver::new(config)?))?;
+            Ok(Allocator {
+                engine: Arc::new(engine),
+                shared: false,
+            })
         })
     }
 
     #[staticmethod]
     fn cuda(py: Python<'_>) -> PyResult<Allocator> {
-        let engine = py.detach(global::cuda_engine)?.clone();
-        Ok(Allocator {
-            engine,
-            shared: true,
+        guard(|| {
+            let engine = py.detach(global::cuda_engine)?.clone();
+            Ok(Allocator {
+                engine,
+                shared: true,
+            })
         })
     }
 
     #[getter]
-    fn backend(&self) -> &'static str {
-        self.engine.driver().backend()
+    fn backend(&self) -> PyResult<&'static str> {
+        guard(|| Ok(self.engine.driver().backend()))
     }
 
-    fn device_count(&self) -> usize {
-        self.engine.device_count()
+    fn device_count(&self) -> PyResult<usize> {
+        guard(|| Ok(self.engine.device_count()))
     }
 
     #[pyo3(signature = (device = 0))]
     fn granularity(&self, device: i32) -> PyResult<usize> {
-        Ok(self.engine.granularity(device)?)
+        guard(|| Ok(self.engine.granularity(device)?))
     }
 
     #[pyo3(signature = (device = 0))]
     fn mem_info(&self, py: Python<'_>, device: i32) -> PyResult<(usize, usize)> {
-        self.engine.granularity(device)?;
-        Ok(py.detach(|| self.engine.driver().mem_info(device))?)
+        guard(|| {
+            self.engine.granularity(device)?;
+            Ok(py.detach(|| self.engine.driver().mem_info(device))?)
+        })
     }
 
     /// Backend, devices and their properties.
     fn info<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let d = PyDict::new(py);
-        d.set_item("backend", self.backend())?;
-        let devices = PyList::empty(py);
-        for dev in 0..self.engine.device_count() as i32 {
-            let e = PyDict::new(py);
-            let (free, total) = py.detach(|| self.engine.driver().mem_info(dev))?;
-            e.set_item("device", dev)?;
-            e.set_item("free", free)?;
-            e.set_item("total", total)?;
-            e.set_item("granularity", self.engine.granularity(dev)?)?;
-            devices.append(e)?;
-        }
-        d.set_item("devices", &devices)?;
-        if self.engine.driver().backend() == "cuda" {
-            let cuda = CudaDriver::new()?;
-            d.set_item("driver_version", cuda.driver_version())?;
-            for (dev, e) in devices.iter().enumerate() {
-                let i = cuda.device_info(dev as i32)?;
-                e.set_item("name", i.name)?;
-                e.set_item("rdma_with_vmm", i.rdma_with_vmm)?;
+        guard(|| {
+            let d = PyDict::new(py);
+            d.set_item("backend", self.engine.driver().backend())?;
+            let devices = PyList::empty(py);
+            for dev in 0..self.engine.device_count() as i32 {
+                let e = PyDict::new(py);
+                let (free, total) = py.detach(|| self.engine.driver().mem_info(dev))?;
+                e.set_item("device", dev)?;
+                e.set_item("free", free)?;
+                e.set_item("total", total)?;
+                e.set_item("granularity", self.engine.granularity(dev)?)?;
+                devices.append(e)?;
             }
-        } else {
-            for e in devices.iter() {
-                e.set_item("name", "simulated device")?;
-                e.set_item("rdma_with_vmm", false)?;
+            d.set_item("devices", &devices)?;
+            if self.engine.driver().backend() == "cuda" {
+                let cuda = CudaDriver::new()?;
+                d.set_item("driver_version", cuda.driver_version())?;
+                for (dev, e) in devices.iter().enumerate() {
+                    let i = cuda.device_info(dev as i32)?;
+                    e.set_item("name", i.name)?;
+                    e.set_item("rdma_with_vmm", i.rdma_with_vmm)?;
+                }
+            } else {
+                for e in devices.iter() {
+                    e.set_item("name", "simulated device")?;
+                    e.set_item("rdma_with_vmm", false)?;
+                }
             }
-        }
-        Ok(d)
+            Ok(d)
+        })
     }
 
-    #[pyo3(signature = (size, device = 0, stream = 0))]
+    #[pyo3(signature = (size, device = 0, stream = None))]
     fn malloc(
         &self,
         py: Python<'_>,
         size: &Bound<'_, PyAny>,
         device: i32,
-        stream: u64,
+        stream: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<u64> {
-        let size = size_arg(size, "size", false)?;
-        let tag = crate::registry::current_tag(self.engine.id());
-        Ok(py.detach(|| self.engine.malloc_tagged(size, device, stream, tag))?)
+        guard(|| {
+            let size = size_arg(size, "size", false)?;
+            let stream = stream_arg(py, stream)?;
+            let tag = crate::registry::current_tag(self.engine.id());
+            Ok(py.detach(|| self.engine.malloc_tagged(size, device, stream, tag))?)
+        })
     }
 
     fn free(&self, py: Python<'_>, address: &Bound<'_, PyAny>) -> PyResult<()> {
-        let addr = address_arg(address)?;
-        Ok(py.detach(|| self.engine.free(addr))?)
+        guard(|| {
+            let addr = address_arg(address)?;
+            Ok(py.detach(|| self.engine.free(addr))?)
+        })
     }
 
     fn push_tag(&self, py: Python<'_>, tag: &Bound<'_, PyAny>) -> PyResult<()> {
-        let tag = tag_arg(tag)?;
-        Ok(py.detach(|| self.engine.push_tag(&tag))?)
+        guard(|| {
+            let tag = tag_arg(tag)?;
+            Ok(py.detach(|| self.engine.push_tag(&tag))?)
+        })
     }
 
     fn pop_tag(&self) -> PyResult<String> {
-        Ok(self.engine.pop_tag()?)
+        guard(|| Ok(self.engine.pop_tag()?))
     }
 
-    fn current_tag(&self) -> String {
-        self.engine.current_tag()
+    fn current_tag(&self) -> PyResult<String> {
+        guard(|| Ok(self.engine.current_tag()))
     }
 
     #[pyo3(signature = (offload_tags = None))]
@@ -281,13 +340,15 @@ impl Allocator {
         py: Python<'py>,
         offload_tags: Option<&Bound<'py, PyAny>>,
     ) -> PyResult<Bound<'py, PyDict>> {
-        // None: each tag per its policy, "default" only for tags without one (vLLM's rule when none is set).
-        let tags = offload_tags.map(tags_arg).transpose()?;
-        let r = py.detach(|| match &tags {
-            Some(tags) => self.engine.sleep(tags),
-            None => self.engine.sleep_by_policy(),
-        })?;
-        report_dict(py, &r)
+        guard(|| {
+            // None: each tag per its policy, "default" only for tags without one (vLLM's rule when none is set).
+            let tags = offload_tags.map(tags_arg).transpose()?;
+            let r = py.detach(|| match &tags {
+                Some(tags) => self.engine.sleep(tags),
+                None => self.engine.sleep_by_policy(),
+            })?;
+            report_dict(py, &r)
+        })
     }
 
     #[pyo3(signature = (tags = None))]
@@ -296,9 +357,11 @@ impl Allocator {
         py: Python<'py>,
         tags: Option<&Bound<'py, PyAny>>,
     ) -> PyResult<Bound<'py, PyDict>> {
-        let tags = tags.map(tags_arg).transpose()?;
-        let r = py.detach(|| self.engine.wake(tags.as_deref()))?;
-        report_dict(py, &r)
+        guard(|| {
+            let tags = tags.map(tags_arg).transpose()?;
+            let r = py.detach(|| self.engine.wake(tags.as_deref()))?;
+            report_dict(py, &r)
+        })
     }
 
     fn discard<'py>(
@@ -306,9 +369,11 @@ impl Allocator {
         py: Python<'py>,
         tags: &Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyDict>> {
-        let tags = tags_arg(tags)?;
-        let r = py.detach(|| self.engine.discard(&tags))?;
-        report_dict(py, &r)
+        guard(|| {
+            let tags = tags_arg(tags)?;
+            let r = py.detach(|| self.engine.discard(&tags))?;
+            report_dict(py, &r)
+        })
     }
 
     fn read<'py>(
@@ -317,10 +382,12 @@ impl Allocator {
         address: &Bound<'py, PyAny>,
         size: &Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyBytes>> {
-        let addr = address_arg(address)?;
-        let size = size_arg(size, "size", true)?;
-        let data = py.detach(|| self.engine.read(addr, size))?;
-        Ok(PyBytes::new(py, &data))
+        guard(|| {
+            let addr = address_arg(address)?;
+            let size = size_arg(size, "size", true)?;
+            let data = py.detach(|| self.engine.read(addr, size))?;
+            Ok(PyBytes::new(py, &data))
+        })
     }
 
     fn write(
@@ -329,100 +396,119 @@ impl Allocator {
         address: &Bound<'_, PyAny>,
         data: &Bound<'_, PyAny>,
     ) -> PyResult<()> {
-        let addr = address_arg(address)?;
-        let bytes: Vec<u8> = data
-            .cast::<PyBytes>()
-            .map(|b| b.as_bytes().to_vec())
-            .or_else(|_| data.extract::<Vec<u8>>())
-            .map_err(|_| {
-                PyTypeError::new_err(format!("data must be bytes, not {}", type_name(data)))
-            })?;
-        Ok(py.detach(|| self.engine.write(addr, &bytes))?)
+        guard(|| {
+            let addr = address_arg(address)?;
+            let bytes: Vec<u8> = data
+                .cast::<PyBytes>()
+                .map(|b| b.as_bytes().to_vec())
+                .or_else(|_| data.extract::<Vec<u8>>())
+                .map_err(|_| {
+                    PyTypeError::new_err(format!("data must be bytes, not {}", type_name(data)))
+                })?;
+            Ok(py.detach(|| self.engine.write(addr, &bytes))?)
+        })
     }
 
     #[pyo3(signature = (device = None))]
     fn usage(&self, py: Python<'_>, device: Option<i32>) -> PyResult<usize> {
-        if let Some(d) = device {
-            self.engine.granularity(d)?;
-        }
-        Ok(py.detach(|| self.engine.usage(device))?)
+        guard(|| {
+            if let Some(d) = device {
+                self.engine.granularity(d)?;
+            }
+            Ok(py.detach(|| self.engine.usage(device))?)
+        })
     }
 
     fn allocations<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
-        let list = PyList::empty(py);
-        for a in py.detach(|| self.engine.allocations())? {
-            let d = PyDict::new(py);
-            d.set_item("address", a.addr)?;
-            d.set_item("size", a.size)?;
-            d.set_item("requested", a.requested)?;
-            d.set_item("device", a.device)?;
-            d.set_item("tag", a.tag)?;
-            d.set_item("asleep", a.asleep)?;
-            d.set_item("backed_up", a.backed_up)?;
-            list.append(d)?;
-        }
-        Ok(list)
+        guard(|| {
+            let list = PyList::empty(py);
+            for a in py.detach(|| self.engine.allocations())? {
+                let d = PyDict::new(py);
+                d.set_item("address", a.addr)?;
+                d.set_item("size", a.size)?;
+                d.set_item("requested", a.requested)?;
+                d.set_item("device", a.device)?;
+                d.set_item("tag", a.tag)?;
+                d.set_item("asleep", a.asleep)?;
+                d.set_item("backed_up", a.backed_up)?;
+                list.append(d)?;
+            }
+            Ok(list)
+        })
     }
 
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let s = py.detach(|| self.engine.stats());
-        let d = PyDict::new(py);
-        d.set_item("live_allocations", s.live_allocations)?;
-        d.set_item("asleep_allocations", s.asleep_allocations)?;
-        d.set_item("mapped_bytes", s.mapped_bytes)?;
-        d.set_item("asleep_bytes", s.asleep_bytes)?;
-        d.set_item("peak_mapped_bytes", s.peak_mapped_bytes)?;
-        d.set_item("host_backup_bytes", s.host_backup_bytes)?;
-        d.set_item("host_cached_bytes", s.host_cached_bytes)?;
-        d.set_item("host_retained_bytes", s.host_retained_bytes)?;
-        d.set_item("retained_allocations", s.retained_allocations)?;
-        d.set_item("mallocs", s.mallocs)?;
-        d.set_item("frees", s.frees)?;
-        d.set_item("sleeps", s.sleeps)?;
-        d.set_item("wakes", s.wakes)?;
-        d.set_item("recorded_errors", s.recorded_errors)?;
-        d.set_item("pending_releases", s.pending_releases)?;
-        d.set_item(
-            "last_sleep",
-            s.last_sleep
-                .as_ref()
-                .map(|r| report_dict(py, r))
-                .transpose()?,
-        )?;
-        d.set_item(
-            "last_wake",
-            s.last_wake
-                .as_ref()
-                .map(|r| report_dict(py, r))
-                .transpose()?,
-        )?;
-        Ok(d)
+        guard(|| {
+            let s = py.detach(|| self.engine.stats());
+            let d = PyDict::new(py);
+            d.set_item("live_allocations", s.live_allocations)?;
+            d.set_item("asleep_allocations", s.asleep_allocations)?;
+            d.set_item("mapped_bytes", s.mapped_bytes)?;
+            d.set_item("asleep_bytes", s.asleep_bytes)?;
+            d.set_item("peak_mapped_bytes", s.peak_mapped_bytes)?;
+            d.set_item("host_backup_bytes", s.host_backup_bytes)?;
+            d.set_item("host_cached_bytes", s.host_cached_bytes)?;
+            d.set_item("host_retained_bytes", s.host_retained_bytes)?;
+            d.set_item("retained_allocations", s.retained_allocations)?;
+            d.set_item("mallocs", s.mallocs)?;
+            d.set_item("frees", s.frees)?;
+            d.set_item("sleeps", s.sleeps)?;
+            d.set_item("wakes", s.wakes)?;
+            d.set_item("recorded_errors", s.recorded_errors)?;
+            d.set_item("pending_releases", s.pending_releases)?;
+            d.set_item(
+                "last_sleep",
+                s.last_sleep
+                    .as_ref()
+                    .map(|r| report_dict(py, r))
+                    .transpose()?,
+            )?;
+            d.set_item(
+                "last_wake",
+                s.last_wake
+                    .as_ref()
+                    .map(|r| report_dict(py, r))
+                    .transpose()?,
+            )?;
+            Ok(d)
+        })
     }
 
-    fn host_bytes(&self, py: Python<'_>) -> usize {
-        py.detach(|| self.engine.host_bytes())
+    fn host_bytes(&self, py: Python<'_>) -> PyResult<usize> {
+        guard(|| Ok(py.detach(|| self.engine.host_bytes())))
     }
 
     fn set_keep_host_memory(&self, py: Python<'_>, keep: bool) -> PyResult<()> {
-        Ok(py.detach(|| self.engine.set_keep_host_memory(keep))?)
+        guard(|| Ok(py.detach(|| self.engine.set_keep_host_memory(keep))?))
     }
 
     fn reserve_host(&self, py: Python<'_>, nbytes: &Bound<'_, PyAny>) -> PyResult<()> {
-        let n = size_arg(nbytes, "nbytes", false)?;
-        Ok(py.detach(|| self.engine.reserve_host(n))?)
+        guard(|| {
+            let n = size_arg(nbytes, "nbytes", false)?;
+            Ok(py.detach(|| self.engine.reserve_host(n))?)
+        })
+    }
+
+    fn set_pin_chunk(&self, py: Python<'_>, nbytes: &Bound<'_, PyAny>) -> PyResult<()> {
+        guard(|| {
+            let n = size_arg(nbytes, "nbytes", false)?;
+            Ok(py.detach(|| self.engine.set_pin_chunk(n))?)
+        })
     }
 
     fn set_retain_backups(&self, py: Python<'_>, on: bool) -> PyResult<()> {
-        Ok(py.detach(|| self.engine.set_retain_backups(on))?)
+        guard(|| Ok(py.detach(|| self.engine.set_retain_backups(on))?))
     }
 
-    fn retains_backups(&self, py: Python<'_>) -> bool {
-        py.detach(|| self.engine.retains_backups())
+    fn retains_backups(&self, py: Python<'_>) -> PyResult<bool> {
+        guard(|| Ok(py.detach(|| self.engine.retains_backups())))
     }
 
     fn set_fingerprint_chunk(&self, py: Python<'_>, nbytes: &Bound<'_, PyAny>) -> PyResult<()> {
-        let n = size_arg(nbytes, "nbytes", false)?;
-        Ok(py.detach(|| self.engine.set_fingerprint_chunk(n))?)
+        guard(|| {
+            let n = size_arg(nbytes, "nbytes", false)?;
+            Ok(py.detach(|| self.engine.set_fingerprint_chunk(n))?)
+        })
     }
 
     /// Driver-computed fingerprints of [address, address+length): a list of (lo, hi) pairs, one per chunk.
@@ -432,90 +518,106 @@ impl Allocator {
         address: &Bound<'_, PyAny>,
         length: &Bound<'_, PyAny>,
     ) -> PyResult<Vec<(u64, u64)>> {
-        let addr = address_arg(address)?;
-        let len = size_arg(length, "length", false)?;
-        let fps = py.detach(|| self.engine.fingerprints(addr, len))?;
-        Ok(fps.into_iter().map(|[a, b]| (a, b)).collect())
+        guard(|| {
+            let addr = address_arg(address)?;
+            let len = size_arg(length, "length", false)?;
+            let fps = py.detach(|| self.engine.fingerprints(addr, len))?;
+            Ok(fps.into_iter().map(|[a, b]| (a, b)).collect())
+        })
     }
 
     fn trim_host(&self, py: Python<'_>) -> PyResult<usize> {
-        Ok(py.detach(|| self.engine.trim_host())?)
+        guard(|| Ok(py.detach(|| self.engine.trim_host())?))
     }
 
-    fn errors(&self, py: Python<'_>) -> Vec<String> {
-        py.detach(|| self.engine.errors())
+    fn errors(&self, py: Python<'_>) -> PyResult<Vec<String>> {
+        guard(|| Ok(py.detach(|| self.engine.errors())))
     }
 
     #[pyo3(signature = (op, nth = 1, error = "unknown"))]
-    fn inject_fault(&self, op: &str, nth: u64, error: &str) -> PyResult<()> {
-        let sim = self.sim()?;
-        let op = Op::parse(op).ok_or_else(|| {
-            PyValueError::new_err(format!(
-                "unknown fault op {op:?}; expected one of {:?}",
-                fault_ops()
-            ))
-        })?;
-        let code = FAULT_ERRORS
-            .iter()
-            .find(|(n, _)| *n == error)
-            .map(|(_, c)| *c)
-            .ok_or_else(|| {
-                PyValueError::new_err(format!(
-                    "unknown fault error {error:?}; expected one of {:?}",
-                    FAULT_ERRORS.iter().map(|(n, _)| *n).collect::<Vec<_>>()
-                ))
-            })?;
-        Ok(sim.inject_fault(op, nth, code)?)
+    fn inject_fault(&self, op: &str, nth: i128, error: &str) -> PyResult<()> {
+        guard(|| {
+            let sim = self.sim()?;
+            let (op, nth) = (fault_op(op)?, nth_arg(nth)?);
+            let code = FAULT_ERRORS
+                .iter()
+                .find(|(n, _)| *n == error)
+                .map(|(_, c)| *c)
+                .ok_or_else(|| {
+                    PyValueError::new_err(format!(
+                        "unknown fault error {error:?}; expected one of {:?}",
+                        FAULT_ERRORS.iter().map(|(n, _)| *n).collect::<Vec<_>>()
+                    ))
+                })?;
+            Ok(sim.inject_fault(op, nth, code)?)
+        })
+    }
+
+    /// Test hook: the `nth` next call of `op` panics inside the simulated driver.
+    #[pyo3(signature = (op, nth = 1))]
+    fn inject_panic(&self, op: &str, nth: i128) -> PyResult<()> {
+        guard(|| {
+            let sim = self.sim()?;
+            Ok(sim.inject_panic(fault_op(op)?, nth_arg(nth)?)?)
+        })
     }
 
     fn clear_faults(&self) -> PyResult<()> {
-        self.sim()?.clear_faults();
-        Ok(())
+        guard(|| {
+            self.sim()?.clear_faults();
+            Ok(())
+        })
     }
 
     fn driver_counts<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let c = self.sim()?.counts();
-        let d = PyDict::new(py);
-        d.set_item("ranges", c.ranges)?;
-        d.set_item("handles", c.handles)?;
-        d.set_item("mapped_bytes", c.mapped_bytes)?;
-        d.set_item("used_bytes", c.used_bytes)?;
-        d.set_item("host_registered", c.host_registered)?;
-        d.set_item("host_allocated", c.host_allocated)?;
-        d.set_item("markers", c.markers)?;
-        d.set_item("fingerprint_batches", c.fingerprint_batches)?;
-        let calls = PyDict::new(py);
-        for (op, n) in c.calls {
-            calls.set_item(op, n)?;
-        }
-        d.set_item("calls", calls)?;
-        Ok(d)
+        guard(|| {
+            let c = self.sim()?.counts();
+            let d = PyDict::new(py);
+            d.set_item("ranges", c.ranges)?;
+            d.set_item("handles", c.handles)?;
+            d.set_item("mapped_bytes", c.mapped_bytes)?;
+            d.set_item("used_bytes", c.used_bytes)?;
+            d.set_item("host_registered", c.host_registered)?;
+            d.set_item("host_allocated", c.host_allocated)?;
+            d.set_item("markers", c.markers)?;
+            d.set_item("fingerprint_batches", c.fingerprint_batches)?;
+            let calls = PyDict::new(py);
+            for (op, n) in c.calls {
+                calls.set_item(op, n)?;
+            }
+            d.set_item("calls", calls)?;
+            Ok(d)
+        })
     }
 
     fn close(&self, py: Python<'_>) -> PyResult<()> {
-        if self.shared {
-            return Err(CumemError::new_err(
-                "the process-wide CUDA allocator cannot be closed (torch may still hold its memory); free its \
-                 allocations or release the torch pools instead",
-            ));
-        }
-        Ok(py.detach(|| self.engine.close())?)
+        guard(|| {
+            if self.shared {
+                return Err(CumemError::new_err(
+                    "the process-wide CUDA allocator cannot be closed (torch may still hold its memory); free \
+                     its allocations or release the torch pools instead",
+                ));
+            }
+            Ok(py.detach(|| self.engine.close())?)
+        })
     }
 
     #[getter]
-    fn closed(&self, py: Python<'_>) -> bool {
-        py.detach(|| self.engine.is_closed())
+    fn closed(&self, py: Python<'_>) -> PyResult<bool> {
+        guard(|| Ok(py.detach(|| self.engine.is_closed())))
     }
 
-    fn __repr__(&self, py: Python<'_>) -> String {
-        let s = py.detach(|| self.engine.stats());
-        format!(
-            "Allocator(backend={:?}, devices={}, live={}, mapped={} bytes)",
-            self.backend(),
-            self.engine.device_count(),
-            s.live_allocations,
-            s.mapped_bytes
-        )
+    fn __repr__(&self, py: Python<'_>) -> PyResult<String> {
+        guard(|| {
+            let s = py.detach(|| self.engine.stats());
+            Ok(format!(
+                "Allocator(backend={:?}, devices={}, live={}, mapped={} bytes)",
+                self.engine.driver().backend(),
+                self.engine.device_count(),
+                s.live_allocations,
+                s.mapped_bytes
+            ))
+        })
     }
 
     // ----- tag policies, pause/resume, status (engine/policy.rs, engine/pause.rs) ---------------------------
@@ -528,21 +630,23 @@ impl Allocator {
         backup: Option<&Bound<'_, PyAny>>,
         wake_fill: &str,
     ) -> PyResult<()> {
-        let tag = tag_arg(tag)?;
-        let backup = match backup {
-            None => None,
-            Some(b) => Some(b.cast::<PyBool>().map(|b| b.is_true()).map_err(|_| {
-                PyTypeError::new_err(format!(
-                    "backup must be a bool or None, not {}",
-                    type_name(b)
-                ))
-            })?),
-        };
-        let policy = TagPolicy {
-            backup,
-            wake_fill: WakeFill::parse(wake_fill)?,
-        };
-        Ok(py.detach(|| self.engine.set_tag_policy(&tag, policy))?)
+        guard(|| {
+            let tag = tag_arg(tag)?;
+            let backup = match backup {
+                None => None,
+                Some(b) => Some(b.cast::<PyBool>().map(|b| b.is_true()).map_err(|_| {
+                    PyTypeError::new_err(format!(
+                        "backup must be a bool or None, not {}",
+                        type_name(b)
+                    ))
+                })?),
+            };
+            let policy = TagPolicy {
+                backup,
+                wake_fill: WakeFill::parse(wake_fill)?,
+            };
+            Ok(py.detach(|| self.engine.set_tag_policy(&tag, policy))?)
+        })
     }
 
     fn tag_policy<'py>(
@@ -550,9 +654,11 @@ impl Allocator {
         py: Python<'py>,
         tag: &Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyDict>> {
-        let tag = tag_arg(tag)?;
-        let p = py.detach(|| self.engine.tag_policy(&tag))?;
-        policy_dict(py, &p)
+        guard(|| {
+            let tag = tag_arg(tag)?;
+            let p = py.detach(|| self.engine.tag_policy(&tag))?;
+            policy_dict(py, &p)
+        })
     }
 
     #[pyo3(signature = (tags = None))]
@@ -561,9 +667,11 @@ impl Allocator {
         py: Python<'py>,
         tags: Option<&Bound<'py, PyAny>>,
     ) -> PyResult<Bound<'py, PyDict>> {
-        let tags = tags.map(tags_arg).transpose()?;
-        let r = py.detach(|| self.engine.pause(tags.as_deref()))?;
-        report_dict(py, &r)
+        guard(|| {
+            let tags = tags.map(tags_arg).transpose()?;
+            let r = py.detach(|| self.engine.pause(tags.as_deref()))?;
+            report_dict(py, &r)
+        })
     }
 
     #[pyo3(signature = (tags = None))]
@@ -572,28 +680,32 @@ impl Allocator {
         py: Python<'py>,
         tags: Option<&Bound<'py, PyAny>>,
     ) -> PyResult<Bound<'py, PyDict>> {
-        let tags = tags.map(tags_arg).transpose()?;
-        let r = py.detach(|| self.engine.resume(tags.as_deref()))?;
-        report_dict(py, &r)
+        guard(|| {
+            let tags = tags.map(tags_arg).transpose()?;
+            let r = py.detach(|| self.engine.resume(tags.as_deref()))?;
+            report_dict(py, &r)
+        })
     }
 
     fn status<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let s = py.detach(|| self.engine.status())?;
-        let tags = PyDict::new(py);
-        for (tag, t) in &s.tags {
-            let d = policy_dict(py, &t.policy)?;
-            d.set_item("allocations", t.allocations)?;
-            d.set_item("mapped_bytes", t.mapped_bytes)?;
-            d.set_item("asleep_bytes", t.asleep_bytes)?;
-            d.set_item("backup_bytes", t.backup_bytes)?;
-            d.set_item("retained_bytes", t.retained_bytes)?;
-            d.set_item("state", t.state())?;
-            tags.set_item(tag, d)?;
-        }
-        let d = PyDict::new(py);
-        d.set_item("is_sleeping", s.is_sleeping)?;
-        d.set_item("tags", tags)?;
-        Ok(d)
+        guard(|| {
+            let s = py.detach(|| self.engine.status())?;
+            let tags = PyDict::new(py);
+            for (tag, t) in &s.tags {
+                let d = policy_dict(py, &t.policy)?;
+                d.set_item("allocations", t.allocations)?;
+                d.set_item("mapped_bytes", t.mapped_bytes)?;
+                d.set_item("asleep_bytes", t.asleep_bytes)?;
+                d.set_item("backup_bytes", t.backup_bytes)?;
+                d.set_item("retained_bytes", t.retained_bytes)?;
+                d.set_item("state", t.state())?;
+                tags.set_item(tag, d)?;
+            }
+            let d = PyDict::new(py);
+            d.set_item("is_sleeping", s.is_sleeping)?;
+            d.set_item("tags", tags)?;
+            Ok(d)
+        })
     }
 
     fn read_backup<'py>(
@@ -602,14 +714,16 @@ impl Allocator {
         address: &Bound<'py, PyAny>,
         size: &Bound<'py, PyAny>,
     ) -> PyResult<Option<Bound<'py, PyBytes>>> {
-        let addr = address_arg(address)?;
-        let size = size_arg(size, "size", true)?;
-        let data = py.detach(|| self.engine.read_backup(addr, size))?;
-        Ok(data.map(|d| PyBytes::new(py, &d)))
+        guard(|| {
+            let addr = address_arg(address)?;
+            let size = size_arg(size, "size", true)?;
+            let data = py.detach(|| self.engine.read_backup(addr, size))?;
+            Ok(data.map(|d| PyBytes::new(py, &d)))
+        })
     }
 
-    fn keep_host_memory(&self, py: Python<'_>) -> bool {
-        py.detach(|| self.engine.keep_host_memory())
+    fn keep_host_memory(&self, py: Python<'_>) -> PyResult<bool> {
+        guard(|| Ok(py.detach(|| self.engine.keep_host_memory())))
     }
 }
 
@@ -624,78 +738,102 @@ fn policy_dict<'py>(py: Python<'py>, p: &TagPolicy) -> PyResult<Bound<'py, PyDic
 /// values the GPU kernel computes on the same bytes.
 #[pyfunction]
 fn fingerprint_bytes(data: &[u8], chunk: usize) -> PyResult<Vec<(u64, u64)>> {
-    if chunk == 0
-        || !chunk.is_multiple_of(crate::fingerprint::WORD)
-        || !data.len().is_multiple_of(crate::fingerprint::WORD)
-    {
-        return Err(PyValueError::new_err(
-            "chunk and len(data) must be multiples of 16 (chunk positive)",
-        ));
-    }
-    Ok(crate::fingerprint::chunks(data.len(), chunk)
-        .map(|(off, len)| {
-            let [a, b] = crate::fingerprint::fingerprint(&data[off..off + len]);
-            (a, b)
-        })
-        .collect())
+    guard(|| {
+        if chunk == 0
+            || !chunk.is_multiple_of(crate::fingerprint::WORD)
+            || !data.len().is_multiple_of(crate::fingerprint::WORD)
+        {
+            return Err(PyValueError::new_err(
+                "chunk and len(data) must be multiples of 16 (chunk positive)",
+            ));
+        }
+        Ok(crate::fingerprint::chunks(data.len(), chunk)
+            .map(|(off, len)| {
+                let [a, b] = crate::fingerprint::fingerprint(&data[off..off + len]);
+                (a, b)
+            })
+            .collect())
+    })
 }
 
 fn fault_ops() -> Vec<&'static str> {
     Op::ALL.iter().map(|o| o.name()).collect()
 }
 
+fn fault_op(name: &str) -> PyResult<Op> {
+    Op::parse(name).ok_or_else(|| {
+        PyValueError::new_err(format!(
+            "unknown fault op {name:?}; expected one of {:?}",
+            fault_ops()
+        ))
+    })
+}
+
+/// Which call of an op a fault hits: a positive int that fits in 64 bits (the driver refuses one so far
+/// ahead that the call counter could never reach it).
+fn nth_arg(v: i128) -> PyResult<u64> {
+    u64::try_from(v).ok().filter(|n| *n > 0).ok_or_else(|| {
+        PyValueError::new_err(format!("nth must be at least 1 and below 2**64, got {v}"))
+    })
+}
+
 /// True when libcuda loads and reports at least one VMM-capable device. Never raises.
 #[pyfunction]
 fn cuda_available(py: Python<'_>) -> bool {
-    cuda::library_present() && py.detach(global::cuda_engine).is_ok()
+    guard(|| Ok(cuda::library_present() && py.detach(global::cuda_engine).is_ok())).unwrap_or(false)
 }
 
 #[pyfunction]
-fn is_cuda_allocator_ready() -> bool {
-    global::existing_cuda_engine().is_some()
+fn is_cuda_allocator_ready() -> PyResult<bool> {
+    guard(|| Ok(global::existing_cuda_engine().is_some()))
 }
 
 /// Errors recorded by my_malloc/my_free when no CUDA allocator existed to record them.
 #[pyfunction]
-fn ffi_errors() -> Vec<String> {
-    ffi::ffi_errors()
+fn ffi_errors() -> PyResult<Vec<String>> {
+    guard(|| Ok(ffi::ffi_errors()))
 }
 
 /// Rust-side log records queued since the last call, oldest first: (Python logging level, message).
 #[pyfunction]
-fn drain_logs() -> Vec<(u32, String)> {
-    crate::logbuf::drain()
+fn drain_logs() -> PyResult<Vec<(u32, String)>> {
+    guard(|| Ok(crate::logbuf::drain()))
 }
 
 /// Test hook: the next my_malloc or my_free call panics inside (the panic must be caught there).
 #[pyfunction]
-fn _panic_in_next_ffi_call(on: bool) {
-    ffi::set_panic_next_call(on);
+fn _panic_in_next_ffi_call(on: bool) -> PyResult<()> {
+    guard(|| {
+        ffi::set_panic_next_call(on);
+        Ok(())
+    })
 }
 
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
-    let py = m.py();
-    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
-    m.add("FAULT_OPS", fault_ops())?;
-    m.add(
-        "FAULT_ERRORS",
-        FAULT_ERRORS.iter().map(|(n, _)| *n).collect::<Vec<_>>(),
-    )?;
-    m.add("CumemError", py.get_type::<CumemError>())?;
-    m.add(
-        "CumemOutOfMemoryError",
-        py.get_type::<CumemOutOfMemoryError>(),
-    )?;
-    m.add("DriverError", py.get_type::<DriverError>())?;
-    m.add("ClosedError", py.get_type::<ClosedError>())?;
-    m.add_class::<Allocator>()?;
-    m.add_function(wrap_pyfunction!(cuda_available, m)?)?;
-    m.add_function(wrap_pyfunction!(is_cuda_allocator_ready, m)?)?;
-    m.add_function(wrap_pyfunction!(ffi_errors, m)?)?;
-    m.add_function(wrap_pyfunction!(drain_logs, m)?)?;
-    m.add_function(wrap_pyfunction!(fingerprint_bytes, m)?)?;
-    crate::logbuf::install();
-    m.add_function(wrap_pyfunction!(_panic_in_next_ffi_call, m)?)?;
-    Ok(())
+    guard(|| {
+        let py = m.py();
+        m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+        m.add("FAULT_OPS", fault_ops())?;
+        m.add(
+            "FAULT_ERRORS",
+            FAULT_ERRORS.iter().map(|(n, _)| *n).collect::<Vec<_>>(),
+        )?;
+        m.add("CumemError", py.get_type::<CumemError>())?;
+        m.add(
+            "CumemOutOfMemoryError",
+            py.get_type::<CumemOutOfMemoryError>(),
+        )?;
+        m.add("DriverError", py.get_type::<DriverError>())?;
+        m.add("ClosedError", py.get_type::<ClosedError>())?;
+        m.add_class::<Allocator>()?;
+        m.add_function(wrap_pyfunction!(cuda_available, m)?)?;
+        m.add_function(wrap_pyfunction!(is_cuda_allocator_ready, m)?)?;
+        m.add_function(wrap_pyfunction!(ffi_errors, m)?)?;
+        m.add_function(wrap_pyfunction!(drain_logs, m)?)?;
+        m.add_function(wrap_pyfunction!(fingerprint_bytes, m)?)?;
+        crate::logbuf::install();
+        m.add_function(wrap_pyfunction!(_panic_in_next_ffi_call, m)?)?;
+        Ok(())
+    })
 }

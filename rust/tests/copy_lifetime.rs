@@ -67,15 +67,17 @@ impl Driver for Recording {
     fn set_access(&self, device: i32, addr: DevPtr, size: usize) -> Result<()> {
         self.sim.set_access(device, addr, size)
     }
-    fn copy_d2h(&self, device: i32, dst: HostPtr, src: DevPtr, size: usize) -> Result<()> {
-        let r = self.sim.copy_d2h(device, dst, src, size);
+    unsafe fn copy_d2h(&self, device: i32, dst: HostPtr, src: DevPtr, size: usize) -> Result<()> {
+        // SAFETY: forwarded under the caller's contract.
+        let r = unsafe { self.sim.copy_d2h(device, dst, src, size) };
         if r.is_ok() {
             self.push(Call::Copy(device));
         }
         r
     }
-    fn copy_h2d(&self, device: i32, dst: DevPtr, src: HostPtr, size: usize) -> Result<()> {
-        let r = self.sim.copy_h2d(device, dst, src, size);
+    unsafe fn copy_h2d(&self, device: i32, dst: DevPtr, src: HostPtr, size: usize) -> Result<()> {
+        // SAFETY: forwarded under the caller's contract.
+        let r = unsafe { self.sim.copy_h2d(device, dst, src, size) };
         if r.is_ok() {
             self.push(Call::Copy(device));
         }
@@ -110,19 +112,25 @@ impl Driver for Recording {
     fn synchronize(&self, device: i32, stream: u64) -> Result<()> {
         self.sim.synchronize(device, stream)
     }
-    fn host_register(&self, ptr: HostPtr, size: usize) -> Result<()> {
-        self.sim.host_register(ptr, size)
+    unsafe fn host_register(&self, ptr: HostPtr, size: usize) -> Result<()> {
+        // SAFETY: forwarded under the caller's contract.
+        unsafe { self.sim.host_register(ptr, size) }
     }
-    fn host_unregister(&self, ptr: HostPtr) -> Result<()> {
+    unsafe fn host_unregister(&self, ptr: HostPtr) -> Result<()> {
         self.push(Call::Unpin);
-        self.sim.host_unregister(ptr)
+        // SAFETY: forwarded under the caller's contract.
+        unsafe { self.sim.host_unregister(ptr) }
     }
     fn host_alloc(&self, size: usize) -> Result<HostPtr> {
         self.sim.host_alloc(size)
     }
-    fn host_free(&self, ptr: HostPtr) -> Result<()> {
+    unsafe fn host_free(&self, ptr: HostPtr) -> Result<()> {
         self.push(Call::Unpin);
-        self.sim.host_free(ptr)
+        // SAFETY: forwarded under the caller's contract.
+        unsafe { self.sim.host_free(ptr) }
+    }
+    fn thread_spawn(&self) -> Result<()> {
+        self.sim.thread_spawn()
     }
     fn as_sim(&self) -> Option<&SimDriver> {
         Some(&self.sim)
@@ -158,7 +166,8 @@ fn assert_no_copy_in_flight_at_unpin(log: &[Call]) {
     }
 }
 
-fn run_with_fault(op: Op, nth: u64) -> Vec<Call> {
+/// An engine on two simulated devices whose driver calls are logged.
+fn recorded_engine() -> (Arc<Recording>, Engine) {
     let rec = Arc::new(Recording {
         sim: SimDriver::new(SimConfig {
             devices: 2,
@@ -169,7 +178,12 @@ fn run_with_fault(op: Op, nth: u64) -> Vec<Call> {
         log: Mutex::new(Vec::new()),
     });
     let e = Engine::new(rec.clone() as Arc<dyn Driver>).unwrap();
-    e.set_pin_chunk(3 * 4096 * 5);
+    (rec, e)
+}
+
+fn run_with_fault(op: Op, nth: u64) -> Vec<Call> {
+    let (rec, e) = recorded_engine();
+    e.set_pin_chunk(3 * 4096 * 5).unwrap();
     e.set_keep_host_memory(false).unwrap(); // a buffer no allocation uses is unpinned at once
     e.push_tag("weights").unwrap();
     for i in 0..6 {
@@ -203,4 +217,60 @@ fn no_host_buffer_is_unpinned_under_queued_copies_whatever_fails() {
         }
     }
     assert_eq!(runs, 60);
+}
+
+/// The review's case: a first sleep whose third registration fails leaves a cached arena with an unpinned cell;
+/// the second sleep queues the copies of the pinned cells, then pins that cell on a worker thread. `arm` makes
+/// that step go wrong (no thread, or a panic while pinning). Returns the log and whether the sleep panicked.
+fn second_sleep_pins_with(arm: impl Fn(&SimDriver)) -> (Vec<Call>, bool) {
+    let (rec, e) = recorded_engine();
+    e.set_pin_chunk(GRAN).unwrap();
+    e.set_retain_backups(false).unwrap(); // the second sleep copies into the cached arena, pinning its last cell
+    e.push_tag("weights").unwrap();
+    for i in 0..6 {
+        e.malloc(GRAN * (1 + i % 3), (i % 2) as i32, 0).unwrap();
+    }
+    e.pop_tag().unwrap();
+    rec.sim.inject_fault(Op::HostRegister, 3, 999).unwrap();
+    e.sleep(&["weights"]).unwrap();
+    e.wake(None::<&[&str]>).unwrap();
+    arm(&rec.sim);
+    let panicked = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        let _ = e.sleep(&["weights"]);
+    }))
+    .is_err();
+    assert_eq!(
+        rec.sim.counts().markers,
+        0,
+        "every copy marker was waited for"
+    );
+    if panicked {
+        let err = e.malloc(GRAN, 0, 0).unwrap_err();
+        assert!(err.to_string().contains("unusable"), "{err}");
+    } else {
+        e.wake(None::<&[&str]>).unwrap();
+        e.close().unwrap();
+    }
+    drop(e); // a poisoned engine gives its host memory back here
+    let log = rec.log.lock().clone();
+    (log, panicked)
+}
+
+#[test]
+fn a_refused_thread_or_a_panic_while_pinning_never_unpins_under_queued_copies() {
+    let (log, panicked) =
+        second_sleep_pins_with(|sim| sim.inject_fault(Op::ThreadSpawn, 1, 999).unwrap());
+    assert!(
+        !panicked,
+        "a refused thread is not a panic: the calling thread pins"
+    );
+    assert_no_copy_in_flight_at_unpin(&log);
+    let (log, panicked) =
+        second_sleep_pins_with(|sim| sim.inject_panic(Op::HostRegister, 1).unwrap());
+    assert!(panicked);
+    assert!(
+        log.iter().any(|c| matches!(c, Call::Unpin)),
+        "the arena was given back"
+    );
+    assert_no_copy_in_flight_at_unpin(&log);
 }

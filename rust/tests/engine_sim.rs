@@ -1,47 +1,13 @@
 //! Engine behaviour on the simulated driver: round trips, rollback, leaks, threads.
 
+mod common;
+
 use std::sync::Arc;
 
+use common::{assert_no_leaks, engine, pattern, GRAN};
 use cumem_rs::driver::sim::POISON;
-use cumem_rs::driver::{Driver, Op};
-use cumem_rs::{Engine, Error, SimConfig, SimDriver, TagPolicy, WakeFill};
-
-const GRAN: usize = 64 << 10;
-
-fn engine(devices: usize, capacity: usize) -> (Arc<SimDriver>, Engine) {
-    let sim = Arc::new(
-        SimDriver::new(SimConfig {
-            devices,
-            capacity,
-            granularity: GRAN,
-        })
-        .unwrap(),
-    );
-    let engine = Engine::new(sim.clone() as Arc<dyn Driver>).unwrap();
-    (sim, engine)
-}
-
-fn pattern(seed: u8, len: usize) -> Vec<u8> {
-    (0..len)
-        .map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed))
-        .collect()
-}
-
-fn assert_no_leaks(sim: &SimDriver) {
-    let c = sim.counts();
-    assert_eq!(
-        (c.ranges, c.handles, c.mapped_bytes),
-        (0, 0, 0),
-        "driver resources left: {c:?}"
-    );
-    assert!(c.used_bytes.iter().all(|u| *u == 0), "{c:?}");
-    assert_eq!(
-        (c.host_registered, c.host_allocated),
-        (0, 0),
-        "host buffers left: {c:?}"
-    );
-    assert_eq!(c.markers, 0, "copy markers never waited for: {c:?}");
-}
+use cumem_rs::driver::Op;
+use cumem_rs::{Engine, Error, TagPolicy, WakeFill};
 
 #[test]
 fn malloc_rounds_to_granularity_and_tracks_usage() {
@@ -100,7 +66,7 @@ fn sleep_wake_keeps_addresses_and_offloaded_bytes_and_poisons_the_rest() {
 #[test]
 fn cold_sleep_pins_in_cells_that_split_allocations() {
     let (sim, e) = engine(2, 16 << 20);
-    e.set_pin_chunk(3 * 4096 * 5); // not a divisor of the granularity: cells end inside allocations
+    e.set_pin_chunk(3 * 4096 * 5).unwrap(); // not a divisor of the granularity: cells end inside allocations
     e.push_tag("weights").unwrap();
     let sizes = [GRAN, 3 * GRAN, 2 * GRAN, GRAN];
     let addrs: Vec<u64> = sizes
@@ -398,7 +364,7 @@ fn steady_sleep_of_many_allocations_releases_while_issuing_and_survives_a_failed
     for fail_at in [None, Some(1), Some(400)] {
         let (sim, e) = engine(1, (N + 8) * GRAN);
         e.set_retain_backups(false).unwrap(); // every sleep copies: the path under test
-        e.set_pin_chunk(10 * GRAN); // 70 cells of 10 copies: the window drains cells while issuing
+        e.set_pin_chunk(10 * GRAN).unwrap(); // 70 cells of 10 copies: the window drains cells while issuing
         e.push_tag("weights").unwrap();
         let addrs: Vec<u64> = (0..N).map(|_| e.malloc(GRAN, 0, 0).unwrap()).collect();
         e.pop_tag().unwrap();

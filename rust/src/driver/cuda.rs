@@ -422,7 +422,7 @@ impl Driver for CudaDriver {
         }
     }
 
-    fn copy_d2h(&self, device: i32, dst: HostPtr, src: DevPtr, size: usize) -> Result<()> {
+    unsafe fn copy_d2h(&self, device: i32, dst: HostPtr, src: DevPtr, size: usize) -> Result<()> {
         let (st, _ctx) = self.enter(device)?;
         // SAFETY: dst points into a live host buffer of at least `size` bytes that the engine keeps alive until
         // `wait`; the driver validates the device range.
@@ -434,7 +434,7 @@ impl Driver for CudaDriver {
         }
     }
 
-    fn copy_h2d(&self, device: i32, dst: DevPtr, src: HostPtr, size: usize) -> Result<()> {
+    unsafe fn copy_h2d(&self, device: i32, dst: DevPtr, src: HostPtr, size: usize) -> Result<()> {
         let (st, _ctx) = self.enter(device)?;
         // SAFETY: as in copy_d2h, with the roles swapped.
         unsafe {
@@ -532,7 +532,7 @@ impl Driver for CudaDriver {
         unsafe { check(Op::Synchronize.name(), sys::cuCtxSynchronize()) }
     }
 
-    fn host_register(&self, ptr: HostPtr, size: usize) -> Result<()> {
+    unsafe fn host_register(&self, ptr: HostPtr, size: usize) -> Result<()> {
         let _ctx = self.enter_host()?;
         // SAFETY: [ptr, ptr+size) is a live mapping owned by a HostBuffer; PORTABLE pins it for every context.
         unsafe {
@@ -547,7 +547,7 @@ impl Driver for CudaDriver {
         }
     }
 
-    fn host_unregister(&self, ptr: HostPtr) -> Result<()> {
+    unsafe fn host_unregister(&self, ptr: HostPtr) -> Result<()> {
         let _ctx = self.enter_host()?;
         // SAFETY: unregisters memory we registered; no copy is in flight (the engine waited).
         unsafe {
@@ -571,7 +571,7 @@ impl Driver for CudaDriver {
         Ok(HostPtr(p as usize))
     }
 
-    fn host_free(&self, ptr: HostPtr) -> Result<()> {
+    unsafe fn host_free(&self, ptr: HostPtr) -> Result<()> {
         let _ctx = self.enter_host()?;
         // SAFETY: frees memory from host_alloc, once.
         unsafe { check("cuMemFreeHost", sys::cuMemFreeHost(ptr.0 as *mut c_void)) }

@@ -4,6 +4,29 @@
 //! Addresses are `u64` device virtual addresses. Physical memory is an opaque `PhysHandle`. Host memory given
 //! to the copy functions is described by `HostPtr`s that point into buffers owned by `host.rs`; the engine keeps
 //! those buffers alive until the matching `wait` returned.
+//!
+//! The methods that read or write host memory through a `HostPtr` (copies, pinning, freeing pinned memory) are
+//! `unsafe fn`: a `HostPtr` is only an address, and nothing in the type proves that the memory behind it lives
+//! long enough. Their callers are `host.rs` (arenas) and the two slice copies at the end of this file, which
+//! wait for their copy before the borrowed slice goes away. So safe code cannot make the driver write through a
+//! made-up address; this does not compile:
+//!
+//! ```compile_fail,E0133
+//! use cumem_rs::driver::{Driver, HostPtr};
+//! let sim = cumem_rs::SimDriver::new(cumem_rs::SimConfig::default()).unwrap();
+//! let a = sim.reserve(0, 2 << 20).unwrap();
+//! sim.copy_d2h(0, HostPtr(0x10), a, 2 << 20).unwrap();
+//! ```
+//!
+//! while the same call inside `unsafe`, where the caller answers for the address, does:
+//!
+//! ```no_run
+//! use cumem_rs::driver::{Driver, HostPtr};
+//! let sim = cumem_rs::SimDriver::new(cumem_rs::SimConfig::default()).unwrap();
+//! let a = sim.reserve(0, 2 << 20).unwrap();
+//! // SAFETY: none; this example is not run.
+//! unsafe { sim.copy_d2h(0, HostPtr(0x10), a, 2 << 20) }.unwrap();
+//! ```
 
 pub mod cuda;
 mod cuda_fingerprint;
@@ -18,7 +41,8 @@ pub type DevPtr = u64;
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct PhysHandle(pub u64);
 
-/// Raw host address handed to copies. Only `host.rs` creates these from live buffers.
+/// Raw host address handed to copies and pinning. Only an address: the driver methods that use one are `unsafe`,
+/// and their callers (`host.rs`, the slice copies below) answer for the memory behind it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct HostPtr(pub usize);
 
@@ -42,10 +66,12 @@ pub enum Op {
     HostAlloc,
     MemsetZero,
     Fingerprint,
+    /// Not a driver call: the allocator starting a worker thread (see `Driver::thread_spawn`).
+    ThreadSpawn,
 }
 
 impl Op {
-    pub const ALL: [Op; 17] = [
+    pub const ALL: [Op; 18] = [
         Op::Reserve,
         Op::FreeRange,
         Op::Create,
@@ -63,6 +89,7 @@ impl Op {
         Op::HostAlloc,
         Op::MemsetZero,
         Op::Fingerprint,
+        Op::ThreadSpawn,
     ];
 
     pub fn name(self) -> &'static str {
@@ -84,6 +111,7 @@ impl Op {
             Op::HostAlloc => "host_alloc",
             Op::MemsetZero => "memset_zero",
             Op::Fingerprint => "fingerprint",
+            Op::ThreadSpawn => "thread_spawn",
         }
     }
 
@@ -117,9 +145,18 @@ pub trait Driver: Send + Sync {
     fn set_access(&self, device: i32, addr: DevPtr, size: usize) -> Result<()>;
 
     /// Queue a device-to-host copy on the engine's copy stream of `device`.
-    fn copy_d2h(&self, device: i32, dst: HostPtr, src: DevPtr, size: usize) -> Result<()>;
+    ///
+    /// # Safety
+    /// `[dst, dst+size)` must be host memory that is valid for writes and that nothing else reads or writes
+    /// until the copy is finished (a later `wait` of `device`, or `wait_marker` of a marker recorded after it,
+    /// returned). The memory must not be freed or unpinned before then.
+    unsafe fn copy_d2h(&self, device: i32, dst: HostPtr, src: DevPtr, size: usize) -> Result<()>;
     /// Queue a host-to-device copy on the engine's copy stream of `device`.
-    fn copy_h2d(&self, device: i32, dst: DevPtr, src: HostPtr, size: usize) -> Result<()>;
+    ///
+    /// # Safety
+    /// `[src, src+size)` must be host memory that is valid for reads and not written, freed or unpinned until
+    /// the copy is finished (as for `copy_d2h`).
+    unsafe fn copy_h2d(&self, device: i32, dst: DevPtr, src: HostPtr, size: usize) -> Result<()>;
     /// Queue a fill of `size` bytes at `addr` with zeros on the copy stream of `device`, after the copies queued
     /// so far (`wait` covers it). The range must be mapped and accessible.
     fn memset_zero(&self, device: i32, addr: DevPtr, size: usize) -> Result<()>;
@@ -143,14 +180,55 @@ pub trait Driver: Send + Sync {
     fn take_fingerprints(&self, device: i32) -> Result<Vec<Fingerprint>>;
 
     /// Page-lock (pin) host memory for fast async copies.
-    fn host_register(&self, ptr: HostPtr, size: usize) -> Result<()>;
-    fn host_unregister(&self, ptr: HostPtr) -> Result<()>;
+    ///
+    /// # Safety
+    /// `[ptr, ptr+size)` must be a live mapping of the caller's that stays mapped until `host_unregister`.
+    unsafe fn host_register(&self, ptr: HostPtr, size: usize) -> Result<()>;
+    /// Undo `host_register`.
+    ///
+    /// # Safety
+    /// `ptr` was registered by the caller, and no copy queued into or out of it is still unfinished.
+    unsafe fn host_unregister(&self, ptr: HostPtr) -> Result<()>;
     /// Fallback pinned allocation when registering fails. Freed with `host_free`.
     fn host_alloc(&self, size: usize) -> Result<HostPtr>;
-    fn host_free(&self, ptr: HostPtr) -> Result<()>;
+    /// Free memory from `host_alloc`.
+    ///
+    /// # Safety
+    /// `ptr` came from `host_alloc` of this driver, is freed once, and no copy using it is still unfinished; it
+    /// must not be used afterwards.
+    unsafe fn host_free(&self, ptr: HostPtr) -> Result<()>;
+
+    /// Asked before the allocator starts a worker thread (pinning, first touch of host pages). Real drivers
+    /// allow it; the simulated driver counts the call as `Op::ThreadSpawn` and fails it when a fault is armed,
+    /// so that tests reach the path where no thread could be started and the work runs on the calling thread.
+    fn thread_spawn(&self) -> Result<()> {
+        Ok(())
+    }
 
     /// The simulated driver's extra controls (fault injection, live counts); None on real drivers.
     fn as_sim(&self) -> Option<&sim::SimDriver> {
         None
     }
+}
+
+/// Copy `out.len()` bytes at `src` on `device` into `out`, and wait for the copy: the slice is borrowed for the
+/// whole call, so no copy into it outlives the borrow.
+pub fn copy_to_slice(driver: &dyn Driver, device: i32, src: DevPtr, out: &mut [u8]) -> Result<()> {
+    if out.is_empty() {
+        return Ok(());
+    }
+    // SAFETY: `out` is valid for writes of its length and exclusively borrowed until this function returns,
+    // which is after the copy finished (waited for below, also when it reports an error).
+    unsafe { driver.copy_d2h(device, HostPtr(out.as_mut_ptr() as usize), src, out.len())? };
+    driver.wait(device)
+}
+
+/// Copy `data` to `dst` on `device`, and wait for the copy (see `copy_to_slice`).
+pub fn copy_from_slice(driver: &dyn Driver, device: i32, dst: DevPtr, data: &[u8]) -> Result<()> {
+    if data.is_empty() {
+        return Ok(());
+    }
+    // SAFETY: `data` is valid for reads of its length and borrowed until this function returns, after the copy.
+    unsafe { driver.copy_h2d(device, dst, HostPtr(data.as_ptr() as usize), data.len())? };
+    driver.wait(device)
 }

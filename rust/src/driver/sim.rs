@@ -7,7 +7,8 @@
 //! - copies are memcpy, after checking the device side is mapped and accessible (CUDA fails such copies too);
 //! - fresh physical memory is filled with `POISON`, so discarded data never silently reads as zero or as the
 //!   old contents (only an explicit `memset_zero`, asked for by a tag's wake-fill policy, zeroes it);
-//! - fault injection: the n-th next call of an operation fails with a chosen CUDA error code.
+//! - fault injection: the n-th next call of an operation fails with a chosen CUDA error code (or, to test that
+//!   panics are contained, panics inside the call).
 //!
 //! This is shipped code, not a test double: users run their sleep/wake logic on it in CPU-only CI.
 
@@ -90,7 +91,8 @@ struct Fault {
     op: Op,
     /// The value of the op's call counter at which it fails.
     at_call: u64,
-    code: i32,
+    /// The CUDA error code it returns; None: the call panics instead.
+    code: Option<i32>,
 }
 
 #[derive(Default)]
@@ -168,11 +170,32 @@ impl SimDriver {
 
     /// The `nth` next call (1 = the very next) of `op` fails with CUDA error `code`.
     pub fn inject_fault(&self, op: Op, nth: u64, code: i32) -> Result<()> {
+        self.arm(op, nth, Some(code))
+    }
+
+    /// The `nth` next call of `op` panics inside the driver (with the driver's lock held), as a bug would: to
+    /// test that a panic never crosses into Python or C and never releases host memory under a queued copy.
+    pub fn inject_panic(&self, op: Op, nth: u64) -> Result<()> {
+        self.arm(op, nth, None)
+    }
+
+    fn arm(&self, op: Op, nth: u64, code: Option<i32>) -> Result<()> {
         if nth == 0 {
             return Err(Error::invalid("nth must be at least 1"));
         }
         let mut st = self.state.lock();
-        let at_call = st.calls.get(&op).copied().unwrap_or(0) + nth;
+        // A fault past the end of the call counter could never fire: refuse it rather than wrap around.
+        let at_call = st
+            .calls
+            .get(&op)
+            .copied()
+            .unwrap_or(0)
+            .checked_add(nth)
+            .ok_or_else(|| {
+                Error::invalid(format!(
+                    "nth {nth} is too large: the fault could never fire"
+                ))
+            })?;
         st.faults.push(Fault { op, at_call, code });
         Ok(())
     }
@@ -229,7 +252,10 @@ impl State {
             .position(|f| f.op == op && f.at_call == n)
         {
             let f = self.faults.swap_remove(i);
-            return Err(Error::driver(op.name(), f.code, cuda_error_name(f.code)));
+            let Some(code) = f.code else {
+                panic!("injected panic in simulated {} (call {n})", op.name());
+            };
+            return Err(Error::driver(op.name(), code, cuda_error_name(code)));
         }
         Ok(())
     }
@@ -422,7 +448,7 @@ impl Driver for SimDriver {
                 "CUDA_ERROR_INVALID_VALUE",
             ));
         }
-        if st.used[d] + size > self.config.capacity {
+        if st.used[d].saturating_add(size) > self.config.capacity {
             return Err(Error::driver(
                 Op::Create.name(),
                 2,
@@ -609,17 +635,17 @@ impl Driver for SimDriver {
         Ok(())
     }
 
-    fn copy_d2h(&self, device: i32, dst: HostPtr, src: DevPtr, size: usize) -> Result<()> {
+    unsafe fn copy_d2h(&self, device: i32, dst: HostPtr, src: DevPtr, size: usize) -> Result<()> {
         self.check_device(device)?;
         let mut st = self.state.lock();
         st.check_copy(Op::CopyD2H, src, "source", dst.0, size)?;
         // SAFETY: the source is mapped read-write (checked under the lock, which unmap also takes); the destination
-        // is a live host buffer of at least `size` bytes that the caller keeps alive (Driver contract).
+        // is valid for `size` bytes of writes (the caller's contract of this unsafe fn).
         unsafe { std::ptr::copy_nonoverlapping(src as *const u8, dst.0 as *mut u8, size) };
         Ok(())
     }
 
-    fn copy_h2d(&self, device: i32, dst: DevPtr, src: HostPtr, size: usize) -> Result<()> {
+    unsafe fn copy_h2d(&self, device: i32, dst: DevPtr, src: HostPtr, size: usize) -> Result<()> {
         self.check_device(device)?;
         let mut st = self.state.lock();
         st.check_copy(Op::CopyH2D, dst, "destination", src.0, size)?;
@@ -722,7 +748,7 @@ impl Driver for SimDriver {
         self.state.lock().enter(Op::Synchronize)
     }
 
-    fn host_register(&self, ptr: HostPtr, size: usize) -> Result<()> {
+    unsafe fn host_register(&self, ptr: HostPtr, size: usize) -> Result<()> {
         let mut st = self.state.lock();
         st.enter(Op::HostRegister)?;
         if st.host_registered.contains_key(&ptr.0) {
@@ -736,7 +762,7 @@ impl Driver for SimDriver {
         Ok(())
     }
 
-    fn host_unregister(&self, ptr: HostPtr) -> Result<()> {
+    unsafe fn host_unregister(&self, ptr: HostPtr) -> Result<()> {
         let mut st = self.state.lock();
         st.enter(Op::HostUnregister)?;
         st.host_registered
@@ -768,7 +794,7 @@ impl Driver for SimDriver {
         Ok(HostPtr(ptr as usize))
     }
 
-    fn host_free(&self, ptr: HostPtr) -> Result<()> {
+    unsafe fn host_free(&self, ptr: HostPtr) -> Result<()> {
         let mut st = self.state.lock();
         let size = st.host_allocated.remove(&ptr.0).ok_or_else(|| {
             Error::driver(
@@ -779,6 +805,10 @@ impl Driver for SimDriver {
         })?;
         // SAFETY: the mapping was made by host_alloc with this size and its owner gave it back.
         unsafe { munmap(ptr.0 as *mut c_void, size) }.map_err(|e| os_err(Op::HostAlloc, e))
+    }
+
+    fn thread_spawn(&self) -> Result<()> {
+        self.state.lock().enter(Op::ThreadSpawn)
     }
 
     fn as_sim(&self) -> Option<&SimDriver> {

@@ -10,7 +10,11 @@
 //!   nothing leaks once the fault is gone.
 //!
 //! One mutex guards the registry: malloc/free issued while a sleep or wake runs wait until it has finished.
+//! A panic that unwinds while that lock is held poisons the engine (see `Locked`): every later call that would
+//! use or change the records fails with a clear error instead of trusting records a panic may have left half
+//! updated (parking_lot's mutex does not poison by itself).
 
+mod hostmem;
 mod pause;
 mod policy;
 mod release;
@@ -20,12 +24,13 @@ mod types;
 mod wake;
 
 use std::collections::{HashMap, HashSet};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::ops::{Deref, DerefMut};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 
-use parking_lot::Mutex;
+use parking_lot::{Mutex, MutexGuard};
 
-use crate::driver::{DevPtr, Driver, HostPtr, PhysHandle};
+use crate::driver::{self, DevPtr, Driver, PhysHandle};
 use crate::error::{Error, Result};
 use crate::fingerprint;
 use crate::host::{HostBuffer, HostPool};
@@ -46,6 +51,14 @@ const PIN_CHUNK: usize = 512 << 20;
 
 static NEXT_ENGINE_ID: AtomicU64 = AtomicU64::new(1);
 
+/// Context of a recorded failure to start a worker thread.
+const THREAD_REFUSED: &str = "starting a worker thread (its work ran on the calling thread)";
+
+/// Why a poisoned engine refuses a call.
+const POISONED: &str = "the allocator is unusable: a call panicked (an internal error) while it held the \
+    allocator's lock, so its records may be inconsistent; every later call is refused (errors() and stats() \
+    still answer) and its memory is returned when the process exits";
+
 struct Inner {
     reg: Registry,
     host: HostPool,
@@ -59,6 +72,11 @@ struct Inner {
     pin_chunk: usize,
     /// Per-tag backup and wake-fill policies (policy.rs).
     policies: Policies,
+    /// The largest backup one sleep made (or `reserve_host` asked for): the spare host memory allowed beside the
+    /// backups still needed (see `hostmem.rs`).
+    largest_backup: usize,
+    /// Set when a panic unwound while the lock was held; see `Locked`.
+    poisoned: bool,
     /// Backups kept bound to awake allocations after the wake that restored them (see `retain.rs`).
     retained: HashMap<DevPtr, registry::Backup>,
     /// Chunk fingerprints of backups (of asleep allocations, and of retained ones).
@@ -76,6 +94,47 @@ pub struct Engine {
     driver: Arc<dyn Driver>,
     granularity: Vec<usize>,
     inner: Mutex<Inner>,
+    /// False once closed or dropped: this engine's tag stacks on other threads may be dropped (registry.rs).
+    alive: Arc<AtomicBool>,
+}
+
+/// The engine lock, held. If a panic unwinds while it is held (and was not already unwinding when it was
+/// taken), the engine is poisoned and every device's copy stream is waited for, so that no copy queued before
+/// the panic still runs when host memory is given back later.
+struct Locked<'a> {
+    engine: &'a Engine,
+    guard: MutexGuard<'a, Inner>,
+    was_panicking: bool,
+}
+
+impl Deref for Locked<'_> {
+    type Target = Inner;
+    fn deref(&self) -> &Inner {
+        &self.guard
+    }
+}
+
+impl DerefMut for Locked<'_> {
+    fn deref_mut(&mut self) -> &mut Inner {
+        &mut self.guard
+    }
+}
+
+impl Drop for Locked<'_> {
+    fn drop(&mut self) {
+        if !std::thread::panicking() || self.was_panicking || self.guard.poisoned {
+            return;
+        }
+        self.guard.poisoned = true;
+        for d in 0..self.engine.device_count() {
+            let _ = self.engine.driver.wait(d as i32);
+        }
+        Engine::record(
+            &mut self.guard,
+            "internal error",
+            &Error::InvalidState("a call panicked while it held the allocator's lock".into()),
+        );
+    }
 }
 
 fn tag_set<S: AsRef<str>>(tags: &[S]) -> HashSet<&str> {
@@ -98,6 +157,8 @@ impl Engine {
             closed: false,
             pin_chunk: PIN_CHUNK,
             policies: Policies::default(),
+            largest_backup: 0,
+            poisoned: false,
             retained: HashMap::new(),
             prints: HashMap::new(),
             retain: std::env::var("CUMEM_RS_RETAIN_BACKUPS").map_or(true, |v| v != "0"),
@@ -109,13 +170,26 @@ impl Engine {
             driver,
             granularity,
             inner: Mutex::new(inner),
+            alive: Arc::new(AtomicBool::new(true)),
         })
     }
 
-    /// Cell size of pipelined pinning during a cold sleep, rounded up to whole pages.
-    pub fn set_pin_chunk(&self, bytes: usize) {
+    /// Cell size of pipelined pinning during a cold sleep, rounded up to whole pages. Zero, or a size that
+    /// cannot be rounded up to a page within `isize::MAX`, is refused.
+    pub fn set_pin_chunk(&self, bytes: usize) -> Result<()> {
         let page = rustix::param::page_size();
-        self.inner.lock().pin_chunk = bytes.max(1).next_multiple_of(page);
+        let chunk = Some(bytes)
+            .filter(|b| *b > 0)
+            .and_then(|b| b.checked_next_multiple_of(page))
+            .filter(|c| *c <= isize::MAX as usize)
+            .ok_or_else(|| {
+                Error::invalid(format!(
+                    "pin chunk must be between 1 and {} bytes, got {bytes}",
+                    isize::MAX as usize / page * page
+                ))
+            })?;
+        self.lock_open()?.pin_chunk = chunk;
+        Ok(())
     }
 
     pub fn id(&self) -> u64 {
@@ -149,7 +223,7 @@ impl Engine {
         if tag.is_empty() {
             return Err(Error::invalid("tag must be a non-empty string"));
         }
-        registry::push_tag(self.id, Arc::from(tag));
+        registry::push_tag(self.id, &self.alive, Arc::from(tag));
         Ok(())
     }
 
@@ -214,27 +288,57 @@ impl Engine {
     }
 
     /// Free a live allocation, awake or asleep. A release that fails after the unmap is queued and recorded, not
-    /// raised: the allocation is gone either way.
+    /// raised: the allocation is gone either way. A failed synchronize or unmap is raised with the allocation
+    /// still live (the caller may try again).
     pub fn free(&self, addr: DevPtr) -> Result<()> {
         let mut inner = self.lock_open()?;
         self.retry_pending(&mut inner);
-        self.free_locked(&mut inner, addr)
+        self.free_locked(&mut inner, addr, false)
     }
 
-    fn free_locked(&self, inner: &mut Inner, addr: DevPtr) -> Result<()> {
+    /// Free for a caller that forgets the pointer whatever happens (torch, through `my_free`). Where `free` would
+    /// raise with the allocation still live, this records the failure in `errors()` and queues the unmap,
+    /// release and address free for retry by later calls: the allocation is gone either way, so it is never
+    /// backed up again, and nothing leaks once the driver recovers. Fails only when nothing was done (unknown
+    /// address, closed or poisoned allocator).
+    pub fn free_or_queue(&self, addr: DevPtr) -> Result<()> {
+        let mut inner = self.lock_open()?;
+        self.retry_pending(&mut inner);
+        self.free_locked(&mut inner, addr, true)
+    }
+
+    fn free_locked(&self, inner: &mut Inner, addr: DevPtr, queue_failures: bool) -> Result<()> {
         let a = inner
             .reg
             .get(addr)
             .ok_or(Error::UnknownAddress(addr))?
             .clone();
+        let mut unmapped = true;
         if let State::Awake { handle } = a.state {
             // The caller's work on this memory must be finished before it is unmapped (a no-op during capture).
-            self.driver.synchronize(a.device, a.stream)?;
-            self.unmap_release(inner, a.addr, a.size, handle)?;
+            let done = self
+                .driver
+                .synchronize(a.device, a.stream)
+                .and_then(|()| self.driver.unmap(a.addr, a.size));
+            match done {
+                Ok(()) => self.release_or_queue(inner, handle),
+                Err(e) if !queue_failures => return Err(e),
+                Err(e) => {
+                    Self::record(
+                        inner,
+                        &format!("free {addr:#x} (its unmap, release and address free are queued for retry)"),
+                        &e,
+                    );
+                    self.queue_release(inner, a.addr, a.size, handle);
+                    unmapped = false;
+                }
+            }
         }
         inner.reg.remove(addr);
         Self::drop_retained(inner, &[addr]);
-        self.free_range_or_queue(inner, a.addr, a.size);
+        if unmapped {
+            self.free_range_or_queue(inner, a.addr, a.size);
+        }
         inner.stats.frees += 1;
         drop(a); // its backup reference, if asleep
         self.collect_unused_arenas(inner);
@@ -249,9 +353,7 @@ impl Engine {
         let mut out = vec![0u8; len];
         if len > 0 {
             self.driver.synchronize(device, 0)?;
-            self.driver
-                .copy_d2h(device, HostPtr(out.as_mut_ptr() as usize), addr, len)?;
-            self.driver.wait(device)?;
+            driver::copy_to_slice(&*self.driver, device, addr, &mut out)?;
         }
         Ok(out)
     }
@@ -282,9 +384,7 @@ impl Engine {
         let device = Self::awake_containing(&inner, addr, data.len())?;
         if !data.is_empty() {
             self.driver.synchronize(device, 0)?;
-            self.driver
-                .copy_h2d(device, addr, HostPtr(data.as_ptr() as usize), data.len())?;
-            self.driver.wait(device)?;
+            driver::copy_from_slice(&*self.driver, device, addr, data)?;
         }
         Ok(())
     }
@@ -408,6 +508,9 @@ impl Engine {
         }
         let mut inner = self.lock_open()?;
         let r = inner.host.reserve(len);
+        if r.is_ok() {
+            inner.largest_backup = inner.largest_backup.max(len);
+        }
         self.record_host_fallbacks(&mut inner);
         r
     }
@@ -420,10 +523,13 @@ impl Engine {
                 &e,
             );
         }
+        for e in std::mem::take(&mut inner.host.notes) {
+            Self::record(inner, THREAD_REFUSED, &e);
+        }
     }
 
     pub fn trim_host(&self) -> Result<usize> {
-        let mut inner = self.inner.lock();
+        let mut inner = self.lock_unpoisoned()?;
         self.retry_pending(&mut inner);
         self.drop_all_retained(&mut inner);
         inner.host.trim()
@@ -442,16 +548,17 @@ impl Engine {
         self.inner.lock().closed
     }
 
-    /// Free everything and return host memory. Later calls fail with `Error::Closed`. Idempotent.
+    /// Free everything and return host memory. Later calls fail with `Error::Closed`. Idempotent. A poisoned
+    /// engine refuses (its records cannot be trusted to free by).
     pub fn close(&self) -> Result<()> {
-        let mut inner = self.inner.lock();
+        let mut inner = self.lock_unpoisoned()?;
         if inner.closed {
             return Ok(());
         }
         self.retry_pending(&mut inner);
         let mut first_err = None;
         for addr in inner.reg.select(|_| true) {
-            if let Err(e) = self.free_locked(&mut inner, addr) {
+            if let Err(e) = self.free_locked(&mut inner, addr, false) {
                 first_err.get_or_insert(e);
             }
         }
@@ -466,14 +573,34 @@ impl Engine {
         }
         if first_err.is_none() {
             inner.closed = true;
+            self.alive.store(false, Ordering::Relaxed);
+            registry::forget_tags(self.id);
         }
         first_err.map_or(Ok(()), Err)
     }
 
     // ----- building blocks --------------------------------------------------------------------------------
 
-    fn lock_open(&self) -> Result<parking_lot::MutexGuard<'_, Inner>> {
-        let inner = self.inner.lock();
+    fn lock(&self) -> Locked<'_> {
+        Locked {
+            engine: self,
+            was_panicking: std::thread::panicking(),
+            guard: self.inner.lock(),
+        }
+    }
+
+    /// The lock, unless a panic poisoned the engine.
+    fn lock_unpoisoned(&self) -> Result<Locked<'_>> {
+        let inner = self.lock();
+        if inner.poisoned {
+            return Err(Error::InvalidState(POISONED.into()));
+        }
+        Ok(inner)
+    }
+
+    /// The lock of an engine that is neither closed nor poisoned.
+    fn lock_open(&self) -> Result<Locked<'_>> {
+        let inner = self.lock_unpoisoned()?;
         if inner.closed {
             return Err(Error::Closed);
         }
@@ -531,7 +658,10 @@ impl Engine {
 
 impl Drop for Engine {
     fn drop(&mut self) {
-        // Nobody is left to report to; whatever could not be released is the driver's (or the OS's) at exit.
-        let _ = self.close();
+        // Nobody is left to report to; whatever could not be released is the driver's (or the OS's) at exit. A
+        // panic must not escape a drop (during an unwind it would abort the process).
+        let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.close()));
+        self.alive.store(false, Ordering::Relaxed);
+        registry::forget_tags(self.id);
     }
 }

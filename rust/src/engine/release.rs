@@ -42,6 +42,22 @@ impl Engine {
         }
     }
 
+    /// Queue the whole release of an allocation whose unmap could not be done now: unmap, release of its
+    /// handle, address free, retried in that order by later calls.
+    pub(super) fn queue_release(
+        &self,
+        inner: &mut Inner,
+        addr: DevPtr,
+        size: usize,
+        handle: PhysHandle,
+    ) {
+        inner.pending.extend([
+            Pending::Unmap { addr, size },
+            Pending::Release(handle),
+            Pending::FreeRange { addr, size },
+        ]);
+    }
+
     /// Retry queued releases in order (unmaps before releases before address frees); keep those that fail again.
     pub(super) fn retry_pending(&self, inner: &mut Inner) {
         if inner.pending.is_empty() {
@@ -99,8 +115,14 @@ impl Engine {
         result
     }
 
-    /// Arenas no asleep allocation points into any more go back to the host pool.
+    /// Arenas no asleep allocation points into any more go back to the host pool; then the host memory held is
+    /// brought back within its bound (hostmem.rs).
     pub(super) fn collect_unused_arenas(&self, inner: &mut Inner) {
+        self.give_back_unused_arenas(inner);
+        self.bound_host_memory(inner);
+    }
+
+    pub(super) fn give_back_unused_arenas(&self, inner: &mut Inner) {
         for arena in std::mem::take(&mut inner.arenas) {
             match Arc::try_unwrap(arena) {
                 Ok(buf) => {

@@ -288,8 +288,9 @@ impl Engine {
     ) -> Result<()> {
         let start = backup.offset + offset;
         for (off, l) in backup.arena.split_at_pieces(start, len) {
-            self.driver
-                .copy_d2h(device, backup.arena.at(off), src + (off - start) as u64, l)?;
+            backup
+                .arena
+                .queue_from_device(device, src + (off - start) as u64, off, l)?;
         }
         Ok(())
     }

@@ -70,6 +70,7 @@ impl Engine {
         let mut cold = false;
         let mut buf = None;
         if total > 0 {
+            inner.largest_backup = inner.largest_backup.max(total);
             buf = Some(match inner.host.take_cached(total) {
                 Some(buf) => buf,
                 None => {
@@ -88,28 +89,32 @@ impl Engine {
         //    releasing each cell's finished allocations as it goes; a cold one is pinned cell by cell meanwhile.
         let cell_size = inner.pin_chunk;
         let mut first_err = None;
-        let mut issued = Vec::new();
         let mut cells: Option<CellRelease> = None;
+        // After `cells` (which holds the arena), so that it is dropped (waiting for every queued copy) first,
+        // panics included.
+        let mut issued: Option<transfer::InFlight> = None;
         if let Some(mut buf) = buf {
             if transfer::all_pinned(&buf, &jobs, cell_size) {
                 let buf = Arc::new(buf);
                 inner.arenas.push(buf.clone());
                 let mut rel = CellRelease::new(&jobs, cell_size, buf.clone());
-                let (rest, result) = transfer::issue_copy_out_pinned(
+                let (in_flight, result) = transfer::issue_copy_out_pinned(
                     &*self.driver,
                     &buf,
                     &jobs,
                     cell_size,
-                    |cell| rel.finish(self, inner, cell, &mut report, &mut first_err),
+                    |done, waited| {
+                        rel.finish(self, inner, done, waited, &mut report, &mut first_err)
+                    },
                 );
                 if let Err(e) = result {
                     first_err.get_or_insert(e);
                 }
-                issued = rest;
+                issued = Some(in_flight);
                 cells = Some(rel);
             } else {
                 let mut absorbed = Vec::new();
-                let (rest, result) = transfer::issue_copy_out(
+                let (in_flight, result) = transfer::issue_copy_out(
                     &*self.driver,
                     &mut buf,
                     &jobs,
@@ -123,10 +128,13 @@ impl Engine {
                         &e,
                     );
                 }
+                for e in std::mem::take(&mut buf.notes) {
+                    Self::record(inner, super::THREAD_REFUSED, &e);
+                }
                 if let Err(e) = result {
                     first_err.get_or_insert(e);
                 }
-                issued = rest;
+                issued = Some(in_flight);
                 let buf = Arc::new(buf);
                 inner.arenas.push(buf.clone());
                 cells = Some(CellRelease::new(&jobs, cell_size, buf));
@@ -148,12 +156,13 @@ impl Engine {
         }
 
         // 6. As the remaining cells finish, release the allocations whose backup is complete.
-        if let Some(rel) = cells.as_mut() {
-            for cell in issued {
-                rel.finish(self, inner, cell, &mut report, &mut first_err);
+        if let (Some(rel), Some(flight)) = (cells.as_mut(), issued.as_mut()) {
+            while let Some((done, waited)) = flight.next_cell() {
+                rel.finish(self, inner, done, waited, &mut report, &mut first_err);
             }
         }
-        // 7. Once their changed chunks are on the host, release the allocations with a retained backup.
+        drop(issued); // after a failure: waits for the copy streams too
+                      // 7. Once their changed chunks are on the host, release the allocations with a retained backup.
         self.finish_sleep_prints(inner, prints, changed_ok, &mut report, &mut first_err);
         drop(cells);
         self.collect_unused_arenas(inner);
@@ -253,22 +262,21 @@ impl CellRelease {
         }
     }
 
-    /// Wait for `cell`'s copies, then release every allocation whose last cell it was.
+    /// After waiting for a cell (`waited`), release every allocation whose last cell it was.
     fn finish(
         &mut self,
         engine: &Engine,
         inner: &mut Inner,
-        cell: transfer::IssuedCell,
+        cell_jobs: Vec<usize>,
+        waited: Result<()>,
         report: &mut Report,
         first_err: &mut Option<Error>,
     ) {
-        for (device, marker) in cell.markers {
-            if let Err(e) = engine.driver.wait_marker(device, marker) {
-                self.copies_ok = false;
-                first_err.get_or_insert(e);
-            }
+        if let Err(e) = waited {
+            self.copies_ok = false; // release nothing more; the caller still waits for every cell
+            first_err.get_or_insert(e);
         }
-        for j in cell.jobs {
+        for j in cell_jobs {
             self.missing[j] -= 1;
             if self.missing[j] == 0 && self.copies_ok {
                 let job = self.jobs[j];

@@ -138,8 +138,8 @@ impl Engine {
         b: &Backup,
     ) -> Result<()> {
         for (off, len) in b.arena.split_at_pieces(b.offset, size) {
-            self.driver
-                .copy_h2d(device, addr + (off - b.offset) as u64, b.arena.at(off), len)?;
+            b.arena
+                .queue_to_device(device, addr + (off - b.offset) as u64, off, len)?;
         }
         Ok(())
     }
