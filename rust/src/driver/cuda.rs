@@ -11,6 +11,7 @@ use std::sync::OnceLock;
 use cudarc::driver::sys::{self, CUresult};
 
 use super::cuda_fingerprint::FingerprintKernel;
+use super::cuda_zero::ZeroKernel;
 use super::{DevPtr, Driver, HostPtr, Op, PhysHandle};
 use crate::error::{Error, Result};
 use crate::fingerprint::Fingerprint;
@@ -22,6 +23,8 @@ struct DeviceState {
     copy_stream: sys::CUstream,
     /// The fingerprint kernel, loaded on first use.
     fingerprint: FingerprintKernel,
+    /// The zero-fill kernel, loaded on first use.
+    zero: ZeroKernel,
 }
 
 // SAFETY: CUDA contexts and streams are process-wide handles, valid from any thread.
@@ -254,6 +257,7 @@ fn set_up(ordinal: sys::CUdevice) -> Result<DeviceState> {
             ctx,
             copy_stream,
             fingerprint: FingerprintKernel::new(),
+            zero: ZeroKernel::new(),
         }),
         Err(e) => {
             // SAFETY: balances the retain above; this context is not used by us afterwards.
@@ -447,18 +451,7 @@ impl Driver for CudaDriver {
 
     fn memset_zero(&self, device: i32, addr: DevPtr, size: usize) -> Result<()> {
         let (st, _ctx) = self.enter(device)?;
-        // 32-bit words when the size allows (it always does for granularity-rounded allocations): fewer, wider
-        // stores than the byte variant.
-        // SAFETY: [addr, addr+size) is a mapped range of ours, made accessible by set_access before this call; the
-        // fill is queued on our own copy stream and covered by the next `wait`.
-        let r = unsafe {
-            if size.is_multiple_of(4) {
-                sys::cuMemsetD32Async(addr, 0, size / 4, st.copy_stream)
-            } else {
-                sys::cuMemsetD8Async(addr, 0, size, st.copy_stream)
-            }
-        };
-        check(Op::MemsetZero.name(), r)
+        st.zero.queue(st.copy_stream, addr, size)
     }
 
     fn wait(&self, device: i32) -> Result<()> {

@@ -23,6 +23,26 @@ const THREADS: u32 = 256;
 /// Table entry and result are 16 bytes each per chunk.
 const BYTES_PER_CHUNK: usize = 32;
 
+/// Load a NUL-terminated PTX image into the current context and look up `name` in it. The module stays loaded
+/// for the life of the process (as the device's primary context does).
+pub(super) fn load_function(ptx: &str, name: &std::ffi::CStr) -> Result<sys::CUfunction> {
+    debug_assert!(ptx.ends_with('\0'));
+    let mut module = std::ptr::null_mut();
+    let mut function = std::ptr::null_mut();
+    // SAFETY: `ptx` is a NUL-terminated image; valid out-pointers; the caller made a context current.
+    unsafe {
+        check(
+            "cuModuleLoadData",
+            sys::cuModuleLoadData(&mut module, ptx.as_ptr() as *const c_void),
+        )?;
+        check(
+            "cuModuleGetFunction",
+            sys::cuModuleGetFunction(&mut function, module, name.as_ptr()),
+        )?;
+    }
+    Ok(function)
+}
+
 /// Per-device kernel state; lives as long as the device state (the process).
 pub(super) struct FingerprintKernel {
     inner: Mutex<Inner>,
@@ -163,19 +183,7 @@ impl Inner {
         if let Some(f) = self.function {
             return Ok(f);
         }
-        let mut module = std::ptr::null_mut();
-        let mut function = std::ptr::null_mut();
-        // SAFETY: PTX is a NUL-terminated image; valid out-pointers; the module stays loaded for the process.
-        unsafe {
-            check(
-                "cuModuleLoadData",
-                sys::cuModuleLoadData(&mut module, PTX.as_ptr() as *const c_void),
-            )?;
-            check(
-                "cuModuleGetFunction",
-                sys::cuModuleGetFunction(&mut function, module, KERNEL.as_ptr()),
-            )?;
-        }
+        let function = load_function(PTX, KERNEL)?;
         self.function = Some(function);
         Ok(function)
     }

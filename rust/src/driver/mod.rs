@@ -30,6 +30,7 @@
 
 pub mod cuda;
 mod cuda_fingerprint;
+mod cuda_zero;
 pub mod sim;
 
 use crate::error::Result;
