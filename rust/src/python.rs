@@ -163,6 +163,17 @@ fn tags_arg(obj: &Bound<'_, PyAny>) -> PyResult<Vec<String>> {
     iter.map(|t| tag_arg(&t?)).collect()
 }
 
+/// An engine call over optional tags (None: all), without the GIL, and its report as a dict.
+fn tags_report<'py>(
+    py: Python<'py>,
+    tags: Option<&Bound<'py, PyAny>>,
+    call: impl FnOnce(Option<&[String]>) -> crate::error::Result<Report> + Send,
+) -> PyResult<Bound<'py, PyDict>> {
+    let tags = tags.map(tags_arg).transpose()?;
+    let r = py.detach(|| call(tags.as_deref()))?;
+    report_dict(py, &r)
+}
+
 fn report_dict<'py>(py: Python<'py>, r: &Report) -> PyResult<Bound<'py, PyDict>> {
     let d = PyDict::new(py);
     d.set_item("allocations", r.allocations)?;
@@ -357,11 +368,7 @@ impl Allocator {
         py: Python<'py>,
         tags: Option<&Bound<'py, PyAny>>,
     ) -> PyResult<Bound<'py, PyDict>> {
-        guard(|| {
-            let tags = tags.map(tags_arg).transpose()?;
-            let r = py.detach(|| self.engine.wake(tags.as_deref()))?;
-            report_dict(py, &r)
-        })
+        guard(|| tags_report(py, tags, |t| self.engine.wake(t)))
     }
 
     fn discard<'py>(
@@ -667,11 +674,7 @@ impl Allocator {
         py: Python<'py>,
         tags: Option<&Bound<'py, PyAny>>,
     ) -> PyResult<Bound<'py, PyDict>> {
-        guard(|| {
-            let tags = tags.map(tags_arg).transpose()?;
-            let r = py.detach(|| self.engine.pause(tags.as_deref()))?;
-            report_dict(py, &r)
-        })
+        guard(|| tags_report(py, tags, |t| self.engine.pause(t)))
     }
 
     #[pyo3(signature = (tags = None))]
@@ -680,11 +683,7 @@ impl Allocator {
         py: Python<'py>,
         tags: Option<&Bound<'py, PyAny>>,
     ) -> PyResult<Bound<'py, PyDict>> {
-        guard(|| {
-            let tags = tags.map(tags_arg).transpose()?;
-            let r = py.detach(|| self.engine.resume(tags.as_deref()))?;
-            report_dict(py, &r)
-        })
+        guard(|| tags_report(py, tags, |t| self.engine.resume(t)))
     }
 
     fn status<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {

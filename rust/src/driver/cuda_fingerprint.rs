@@ -217,26 +217,30 @@ impl Inner {
     }
 }
 
+/// Test helper for every embedded kernel: PTX ISA 8.0 (what CUDA 12.0 drivers accept; a newer ISA would be
+/// refused by them), the entry present, NUL-terminated for cuModuleLoadData.
+#[cfg(test)]
+pub(super) fn assert_loadable_ptx(ptx: &str, entry: &str) {
+    let version = ptx
+        .lines()
+        .find(|l| l.starts_with(".version"))
+        .expect(".version line");
+    assert_eq!(
+        version.trim(),
+        ".version 8.0",
+        "regenerate with scripts/gen_ptx.py (NVRTC 12.0)"
+    );
+    assert!(
+        ptx.contains(&format!(".entry {entry}(")),
+        "kernel entry {entry} missing"
+    );
+    assert!(ptx.ends_with('\0'));
+}
+
 #[cfg(test)]
 mod tests {
-    use super::*;
-
     #[test]
     fn embedded_ptx_loads_on_cuda_12_0_drivers() {
-        // PTX ISA 8.0 is what CUDA 12.0 drivers accept; a newer ISA would be refused by them.
-        let version = PTX
-            .lines()
-            .find(|l| l.starts_with(".version"))
-            .expect(".version line");
-        assert_eq!(
-            version.trim(),
-            ".version 8.0",
-            "regenerate with scripts/gen_ptx.py (NVRTC 12.0)"
-        );
-        assert!(
-            PTX.contains(".entry cumem_fingerprint("),
-            "kernel entry missing"
-        );
-        assert!(PTX.ends_with('\0'));
+        super::assert_loadable_ptx(super::PTX, "cumem_fingerprint");
     }
 }

@@ -95,19 +95,8 @@ impl ZeroKernel {
 
 #[cfg(test)]
 mod tests {
-    use super::*;
-
     #[test]
     fn embedded_zero_ptx_loads_on_cuda_12_0_drivers() {
-        let version = PTX
-            .lines()
-            .find(|l| l.starts_with(".version"))
-            .expect(".version line");
-        assert_eq!(
-            version.trim(),
-            ".version 8.0",
-            "regenerate with scripts/gen_ptx.py (NVRTC 12.0)"
-        );
-        assert!(PTX.contains(".entry cumem_zero("), "kernel entry missing");
+        super::super::cuda_fingerprint::assert_loadable_ptx(super::PTX, "cumem_zero");
     }
 }
