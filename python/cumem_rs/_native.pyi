@@ -150,6 +150,9 @@ class Allocator:
         when the host cannot give that much (a background worker stops at the limit and records a warning)."""
     def pin_ahead_status(self) -> dict:
         """The background pinning worker: {"running": bool, "pinned": bytes so far, "nbytes": its target}."""
+    def backup_bytes_of(self, tags: Union[str, Sequence[str]]) -> int:
+        """Bytes of host arena a sleep offloading `tags` would need now: their awake allocations, less tags whose
+        policy is not to back up and allocations with a retained backup (what to pin ahead for them)."""
     def stop_pinning_ahead(self) -> None:
         """Stop background pinning; what it pinned stays cached for the next sleep."""
     def set_pin_chunk(self, nbytes: int) -> None:

@@ -521,6 +521,14 @@ impl Allocator {
         })
     }
 
+    /// Bytes of host arena a sleep offloading `tags` would need now (what to pin ahead for them).
+    fn backup_bytes_of(&self, py: Python<'_>, tags: &Bound<'_, PyAny>) -> PyResult<usize> {
+        guard(|| {
+            let tags = tags_arg(tags)?;
+            Ok(py.detach(|| self.engine.backup_bytes_of(&tags))?)
+        })
+    }
+
     /// Stop background pinning (what it pinned stays cached for the next sleep).
     fn stop_pinning_ahead(&self, py: Python<'_>) -> PyResult<()> {
         guard(|| Ok(py.detach(|| self.engine.stop_pinning_ahead())?))

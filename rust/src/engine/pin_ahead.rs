@@ -158,6 +158,9 @@ impl Engine {
     /// Start pinning `len` bytes of host memory for the next sleep in the background (see the module comment).
     /// A buffer already cached for it is reused (its pinned cells are kept); one wholly pinned needs no worker.
     pub(super) fn start_pin_ahead(&self, inner: &mut Inner, len: usize) -> Result<()> {
+        if inner.pin_ahead.as_ref().is_some_and(|w| w.len >= len) {
+            return Ok(()); // already pinning enough (a block of the same tags ended again)
+        }
         self.stop_pin_ahead(inner);
         let buf = match inner.host.take_cached(len) {
             Some(b) if b.unpinned_below(b.len()) == 0 => return inner.host.cache(b),
@@ -203,6 +206,19 @@ impl Engine {
         // Cached even after a failure: its pinned cells serve the next sleep.
         inner.host.cache(buf)?;
         pinned
+    }
+
+    /// Bytes of the arena a sleep offloading `tags` would need now: their awake allocations, except those of
+    /// tags whose policy is not to back up and those with a retained backup (which need no new arena). What to
+    /// pin ahead when the allocations of those tags have been made.
+    pub fn backup_bytes_of<S: AsRef<str>>(&self, tags: &[S]) -> Result<usize> {
+        let wanted = super::tag_set(tags);
+        let inner = self.lock_open()?;
+        Ok((inner.reg.iter())
+            .filter(|a| a.is_awake() && wanted.contains(&*a.tag))
+            .filter(|a| inner.policies.pause_backup(&a.tag) && !inner.retained.contains_key(&a.addr))
+            .map(|a| a.size)
+            .sum())
     }
 
     /// The background pinning worker's progress (not running when none was started or it was collected).
