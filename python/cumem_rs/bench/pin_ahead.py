@@ -14,7 +14,7 @@ from .common import Context, fmt_seconds, say, timed
 from .limits import limit
 from .subjects import release_tensors
 
-SECTION = "first sleep with host memory pinned ahead (CuMemAllocator.pin_ahead)"
+SECTION = "pinning ahead: the first sleep"
 
 #: (row key, label, pin ahead, seconds between the weights pool closing and the sleep, target note)
 CASES = (
