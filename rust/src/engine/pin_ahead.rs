@@ -216,7 +216,9 @@ impl Engine {
         let inner = self.lock_open()?;
         Ok((inner.reg.iter())
             .filter(|a| a.is_awake() && wanted.contains(&*a.tag))
-            .filter(|a| inner.policies.pause_backup(&a.tag) && !inner.retained.contains_key(&a.addr))
+            .filter(|a| {
+                inner.policies.pause_backup(&a.tag) && !inner.retained.contains_key(&a.addr)
+            })
             .map(|a| a.size)
             .sum())
     }
