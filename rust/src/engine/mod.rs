@@ -436,7 +436,8 @@ impl Engine {
     }
 
     pub fn stats(&self) -> Stats {
-        let inner = self.inner.lock();
+        let mut inner = self.inner.lock();
+        self.collect_finished_pin_ahead(&mut inner);
         let mut s = inner.stats.clone();
         s.live_allocations = inner.reg.len();
         s.asleep_allocations = inner.reg.iter().filter(|a| !a.is_awake()).count();
@@ -462,7 +463,8 @@ impl Engine {
 
     /// Host backup bytes held: arenas in use by asleep allocations plus cached ones.
     pub fn host_bytes(&self) -> usize {
-        let inner = self.inner.lock();
+        let mut inner = self.inner.lock();
+        self.collect_finished_pin_ahead(&mut inner);
         inner.arenas.iter().map(|a| a.len()).sum::<usize>() + inner.host.cached_bytes()
     }
 

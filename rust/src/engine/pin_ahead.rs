@@ -6,7 +6,7 @@
 //! through its join handle. Every engine call that needs the arena or gives host memory back (sleep,
 //! `reserve_host`, `trim_host`, `set_keep_host_memory(false)`, `set_pin_chunk`, close, drop) first stops it: it
 //! sets the stop flag, which the worker checks between cells, and joins it (waiting for one cell's pinning at
-//! most), then caches the buffer, pinned whole or in part. A sleep takes it from the cache; the cold path of
+//! most), then caches the buffer, pinned whole or in part (`stats` and `host_bytes` cache a finished worker's). A sleep takes it from the cache; the cold path of
 //! `transfer::issue_copy_out` pins only the cells still unpinned (same cell grid), so no byte is pinned twice.
 //! Malloc and free never look at the worker. The worker stops at the host guard's limit, recording one warning.
 
@@ -152,6 +152,15 @@ impl Engine {
         }
         if let Err(e) = inner.host.cache(out.buf) {
             Self::record(inner, "returning cached host backup memory", &e);
+        }
+    }
+
+    /// Cache the buffer of a worker that has finished (no waiting), so that host byte counts include it.
+    pub(super) fn collect_finished_pin_ahead(&self, inner: &mut Inner) {
+        let finished = (inner.pin_ahead.as_ref())
+            .is_some_and(|w| w.handle.as_ref().is_none_or(|h| h.is_finished()));
+        if finished {
+            self.stop_pin_ahead(inner);
         }
     }
 
