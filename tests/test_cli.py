@@ -207,12 +207,13 @@ def test_bench_every_table_on_the_simulated_device(tmp_path):
     p = run_cli("bench", "--backend", "sim", "--scale", "1024", "--cycles", "1", "--json", str(out))
     assert p.returncode == 0, p.stdout + p.stderr
     for title in ("the limit: pinned copies", "sleep/wake, copy path", "retained backups", "allocation count",
-                  "malloc/free", "CuMemAllocator wall time", "torch_memory_saver"):
+                  "malloc/free", "CuMemAllocator wall time", "torch_memory_saver", "pinning ahead"):
         assert title in p.stdout, title
     data = json.loads(out.read_text())
     m = data["metrics"]
     assert m["errors"] == []
-    assert set(m["table_seconds"]) == {"peer", "sleep_wake", "retained", "wall", "alloc_count", "malloc"}
+    assert set(m["table_seconds"]) == {"peer", "sleep_wake", "retained", "wall", "pin_ahead", "alloc_count",
+                                       "malloc"}
     w = m["weights_bytes"]
 
     # Retained backups on: an unchanged sleep copies nothing; 1% of the chunks rewritten copies about 1%; all

@@ -68,10 +68,16 @@ class Allocator:
 
     @staticmethod
     def simulated(
-        devices: Optional[int] = None, capacity: Optional[int] = None, granularity: Optional[int] = None
+        devices: Optional[int] = None,
+        capacity: Optional[int] = None,
+        granularity: Optional[int] = None,
+        host_memory: Optional[int] = None,
+        host_register_delay: float = 0.0,
     ) -> "Allocator":
         """A fresh allocator over a new simulated driver. `capacity` is physical bytes per device.
-        None means the default: 1 device, 1 GiB capacity, 2 MiB granularity."""
+        None means the default: 1 device, 1 GiB capacity, 2 MiB granularity. `host_memory`: host bytes the
+        simulated machine can pin (None: the real host's, see CUMEM_RS_HOST_MEMORY_LIMIT); `host_register_delay`:
+        seconds each host registration takes (to race sleeps against background pinning in tests)."""
     @staticmethod
     def cuda() -> "Allocator":
         """The process-wide CUDA allocator (the one `my_malloc`/`my_free` use). Raises CumemError without a GPU."""
@@ -138,8 +144,17 @@ class Allocator:
         together when needed to stay within that."""
     def set_keep_host_memory(self, keep: bool) -> None:
         """Keep host backup memory after wake for a fast next sleep (True, default) or return it (False)."""
-    def reserve_host(self, nbytes: int) -> None:
-        """Acquire and pin `nbytes` of host backup memory now, ahead of the first sleep."""
+    def reserve_host(self, nbytes: int, background: bool = False) -> None:
+        """Acquire and pin `nbytes` of host backup memory for the first sleep: now, or (`background`) on a worker
+        thread that the next sleep stops and takes over (it pins only what is still unpinned). CumemOutOfMemoryError
+        when the host cannot give that much (a background worker stops at the limit and records a warning)."""
+    def pin_ahead_status(self) -> dict:
+        """The background pinning worker: {"running": bool, "pinned": bytes so far, "nbytes": its target}."""
+    def backup_bytes_of(self, tags: Union[str, Sequence[str]]) -> int:
+        """Bytes of host arena a sleep offloading `tags` would need now: their awake allocations, less tags whose
+        policy is not to back up and allocations with a retained backup (what to pin ahead for them)."""
+    def stop_pinning_ahead(self) -> None:
+        """Stop background pinning; what it pinned stays cached for the next sleep."""
     def set_pin_chunk(self, nbytes: int) -> None:
         """Cell size (rounded up to whole pages; default 512 MiB) in which a cold sleep pins host memory while
         the first cells already copy. ValueError when not positive or too large to round."""

@@ -62,6 +62,10 @@ _MIN_TORCH = (2, 8)
 #: "off". Set per instance (`CuMemAllocator.sleep_gc`) or with CUMEM_RS_SLEEP_GC.
 SLEEP_GC_MODES = ("full", "young", "off")
 _DEFAULT_SLEEP_GC = "young"
+
+#: Tags whose `use_memory_pool` block, when it ends, starts pinning host memory in the background for their
+#: backup, so that the first sleep copies into page-locked memory (`CuMemAllocator.pin_ahead_tags`).
+PIN_AHEAD_TAGS = ("weights", "default")
 _GiB = float(1 << 30)
 
 TagArg = Union[str, Iterable[str]]
@@ -268,6 +272,10 @@ class CuMemAllocator:
         self._closed = False
         self._sleep_gc = _DEFAULT_SLEEP_GC
         self.sleep_gc = os.environ.get("CUMEM_RS_SLEEP_GC", _DEFAULT_SLEEP_GC)
+        #: Pin host memory for the backup of `pin_ahead_tags` in the background when one of their
+        #: `use_memory_pool` blocks ends (default on; env CUMEM_RS_PIN_AHEAD=0 turns it off).
+        self.pin_ahead: bool = os.environ.get("CUMEM_RS_PIN_AHEAD", "1") != "0"
+        self.pin_ahead_tags: tuple[str, ...] = PIN_AHEAD_TAGS
         atexit.register(self._at_exit)
 
     @property
@@ -329,6 +337,17 @@ class CuMemAllocator:
                 self._native.pop_tag()
         finally:
             _pool_activity.exit(pools)
+        if self.pin_ahead and tag in self.pin_ahead_tags:
+            self._start_pin_ahead()
+
+    def _start_pin_ahead(self) -> None:
+        """Pin, in the background, host memory for the backup of `pin_ahead_tags` (never fails the caller)."""
+        try:
+            nbytes = self._native.backup_bytes_of(list(self.pin_ahead_tags))
+            if nbytes > 0:
+                self._native.reserve_host(nbytes, background=True)
+        except CumemError as e:
+            logger.warning("cumem_rs: pinning host memory ahead of the first sleep failed: %s", e)
 
     @contextlib.contextmanager
     def cudagraph_pool(self, tag: str = CUDAGRAPH_TAG) -> Iterator[tuple[int, int]]:
@@ -385,7 +404,12 @@ class CuMemAllocator:
                 CuMemAllocator.instance = None
 
     def _at_exit(self) -> None:
-        # Release torch pools while torch, the pluggable allocator and the driver are all still alive.
+        # Release torch pools while torch, the pluggable allocator and the driver are all still alive; stop the
+        # background pinning worker before the driver is torn down.
+        try:
+            self._native.stop_pinning_ahead()
+        except Exception as e:  # never fail interpreter shutdown
+            logger.debug("cumem_rs: stopping background pinning at exit failed: %s", e)
         try:
             self.release_pools()
         except Exception as e:  # never fail interpreter shutdown

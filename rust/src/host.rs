@@ -234,6 +234,18 @@ impl HostBuffer {
         }
     }
 
+    /// Bytes of [0, len) not in a pinned piece: what pinning the buffer up to `len` still takes.
+    pub fn unpinned_below(&self, len: usize) -> usize {
+        let Origin::Mapped { pinned } = &self.origin else {
+            return 0;
+        };
+        let pinned: usize = (pinned.iter())
+            .map(|&(p, l)| (p - self.ptr).min(len)..(p - self.ptr + l).min(len))
+            .map(|r| r.len())
+            .sum();
+        len.saturating_sub(pinned)
+    }
+
     /// Split bytes [offset, offset+len) at the boundaries of pinned pieces: CUDA refuses an async copy whose
     /// host side spans two registrations (CUDA_ERROR_INVALID_VALUE), so each copy must stay inside one.
     pub fn split_at_pieces(&self, offset: usize, len: usize) -> Vec<(usize, usize)> {
@@ -487,6 +499,12 @@ impl HostPool {
         if !self.keep {
             return self.release_or_keep(buf);
         }
+        self.cache(buf)
+    }
+
+    /// Cache `buf` for the next sleep if it is the largest one offered, else return it to the OS (whatever the
+    /// `keep` policy: a buffer reserved or pinned ahead for the next sleep).
+    pub fn cache(&mut self, buf: HostBuffer) -> Result<()> {
         let largest = self.cached.iter().map(HostBuffer::len).max().unwrap_or(0);
         if buf.len() <= largest {
             return self.release_or_keep(buf);

@@ -19,7 +19,9 @@ pub mod transfer;
 mod python;
 
 pub use driver::sim::{SimConfig, SimDriver};
-pub use engine::{AllocationInfo, Engine, Report, Stats, Status, TagPolicy, TagStatus, WakeFill};
+pub use engine::{
+    AllocationInfo, Engine, PinAheadStatus, Report, Stats, Status, TagPolicy, TagStatus, WakeFill,
+};
 pub use error::{Error, Result};
 
 /// The text of a caught panic payload.

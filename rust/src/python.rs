@@ -216,11 +216,14 @@ impl Allocator {
 #[pymethods]
 impl Allocator {
     #[staticmethod]
-    #[pyo3(signature = (devices = None, capacity = None, granularity = None))]
+    #[pyo3(signature = (devices = None, capacity = None, granularity = None, host_memory = None,
+                        host_register_delay = 0.0))]
     fn simulated(
         devices: Option<&Bound<'_, PyAny>>,
         capacity: Option<&Bound<'_, PyAny>>,
         granularity: Option<&Bound<'_, PyAny>>,
+        host_memory: Option<&Bound<'_, PyAny>>,
+        host_register_delay: f64,
     ) -> PyResult<Allocator> {
         guard(|| {
             let defaults = SimConfig::default();
@@ -231,6 +234,17 @@ impl Allocator {
                 devices: arg(devices, "devices", defaults.devices)?,
                 capacity: arg(capacity, "capacity", defaults.capacity)?,
                 granularity: arg(granularity, "granularity", defaults.granularity)?,
+                host_memory: host_memory
+                    .map(|o| size_arg(o, "host_memory", true))
+                    .transpose()?,
+                host_register_delay: (0.0..=60.0)
+                    .contains(&host_register_delay)
+                    .then(|| std::time::Duration::from_secs_f64(host_register_delay))
+                    .ok_or_else(|| {
+                        PyValueError::new_err(format!(
+                            "host_register_delay must be between 0 and 60 seconds, got {host_register_delay}"
+                        ))
+                    })?,
             };
             let engine = Engine::new(Arc::new(SimDriver::new(config)?))?;
             Ok(Allocator {
@@ -489,11 +503,42 @@ impl Allocator {
         guard(|| Ok(py.detach(|| self.engine.set_keep_host_memory(keep))?))
     }
 
-    fn reserve_host(&self, py: Python<'_>, nbytes: &Bound<'_, PyAny>) -> PyResult<()> {
+    #[pyo3(signature = (nbytes, background = false))]
+    fn reserve_host(
+        &self,
+        py: Python<'_>,
+        nbytes: &Bound<'_, PyAny>,
+        background: bool,
+    ) -> PyResult<()> {
         guard(|| {
             let n = size_arg(nbytes, "nbytes", false)?;
-            Ok(py.detach(|| self.engine.reserve_host(n))?)
+            Ok(py.detach(|| self.engine.reserve_host(n, background))?)
         })
+    }
+
+    /// The background pinning worker: {"running", "pinned", "nbytes"} (all false/0 when there is none).
+    fn pin_ahead_status<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        guard(|| {
+            let s = py.detach(|| self.engine.pin_ahead_status());
+            let d = PyDict::new(py);
+            d.set_item("running", s.running)?;
+            d.set_item("pinned", s.pinned)?;
+            d.set_item("nbytes", s.nbytes)?;
+            Ok(d)
+        })
+    }
+
+    /// Bytes of host arena a sleep offloading `tags` would need now (what to pin ahead for them).
+    fn backup_bytes_of(&self, py: Python<'_>, tags: &Bound<'_, PyAny>) -> PyResult<usize> {
+        guard(|| {
+            let tags = tags_arg(tags)?;
+            Ok(py.detach(|| self.engine.backup_bytes_of(&tags))?)
+        })
+    }
+
+    /// Stop background pinning (what it pinned stays cached for the next sleep).
+    fn stop_pinning_ahead(&self, py: Python<'_>) -> PyResult<()> {
+        guard(|| Ok(py.detach(|| self.engine.stop_pinning_ahead())?))
     }
 
     fn set_pin_chunk(&self, py: Python<'_>, nbytes: &Bound<'_, PyAny>) -> PyResult<()> {

@@ -173,6 +173,7 @@ fn recorded_engine() -> (Arc<Recording>, Engine) {
             devices: 2,
             capacity: 16 << 20,
             granularity: GRAN,
+            ..SimConfig::default()
         })
         .unwrap(),
         log: Mutex::new(Vec::new()),

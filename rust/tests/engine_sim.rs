@@ -315,7 +315,7 @@ fn reserve_host_falls_back_to_driver_pinned_memory_and_reports_both_failures() {
     let (sim, e) = engine(1, 16 << 20);
     // Registering fails: the driver's own pinned allocation serves, and the failure is recorded, not lost.
     sim.inject_fault(Op::HostRegister, 1, 999).unwrap();
-    e.reserve_host(4 * GRAN).unwrap();
+    e.reserve_host(4 * GRAN, false).unwrap();
     assert_eq!(sim.counts().host_allocated, 1);
     assert!(
         e.errors().iter().any(|m| m.contains("host_register")),
@@ -331,7 +331,7 @@ fn reserve_host_falls_back_to_driver_pinned_memory_and_reports_both_failures() {
     // Both fail: a clear out-of-memory error naming both, nothing left behind.
     sim.inject_fault(Op::HostRegister, 1, 999).unwrap();
     sim.inject_fault(Op::HostAlloc, 1, 2).unwrap();
-    let err = e.reserve_host(4 * GRAN).unwrap_err();
+    let err = e.reserve_host(4 * GRAN, false).unwrap_err();
     assert!(
         err.is_out_of_memory() && err.to_string().contains("host_register"),
         "{err}"

@@ -14,6 +14,7 @@ fn sim_engine(devices: usize) -> (Arc<SimDriver>, Engine) {
         devices,
         capacity: 16 << 20,
         granularity: G,
+        ..SimConfig::default()
     };
     let sim = Arc::new(SimDriver::new(config).unwrap());
     let engine = Engine::new(sim.clone() as Arc<dyn Driver>).unwrap();

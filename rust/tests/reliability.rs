@@ -45,7 +45,7 @@ fn every_spawn_site(sim: &SimDriver, e: &Engine) -> u64 {
     assert_eq!(e.read(a, GRAN).unwrap(), pattern(3, GRAN));
     assert_eq!(e.read(tail, GRAN).unwrap(), pattern(4, GRAN));
     e.trim_host().unwrap();
-    e.reserve_host(BIG).unwrap();
+    e.reserve_host(BIG, false).unwrap();
     a
 }
 

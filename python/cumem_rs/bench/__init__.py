@@ -9,6 +9,8 @@ in the same run. One table per measured thing; --only picks some (default: all o
                breakdown), with 1% of the chunks rewritten in place, with all rewritten; wake; through the core
                Allocator and CuMemAllocator
   wall         CuMemAllocator.sleep / wake_up / discard wall time against the core's time and the copy limit
+  pin_ahead    the first sleep with pinning ahead off, at once and 2 s after the weights pool closed, against
+               the copy limit; a matmul loop while the background worker pins, against the loop alone
   alloc_count  12 GiB as 16 / 128 / 1024 / 6144 allocations (--alloc-counts): steady sleep and wake against
                the copy of 12 GiB, core Allocator and CuMemAllocator
   malloc       500 allocations of 1-64 MiB: torch.empty in use_memory_pool and Allocator.malloc/free, against
@@ -38,7 +40,7 @@ from ..workload import (
     sim_granularity,
     total_bytes,
 )
-from . import alloc_count, malloc, peer_tms, retained, sleep_wake, wall
+from . import alloc_count, malloc, peer_tms, pin_ahead, retained, sleep_wake, wall
 from .common import Context, Results, fmt_bytes, fmt_seconds, print_table, say, timed
 from .limits import copy_limit, memcpy_gbps
 from .malloc import DEFAULT_MALLOC_COUNT, RawDriver, malloc_sizes
@@ -60,6 +62,7 @@ TABLES = {
     "sleep_wake": sleep_wake,
     "retained": retained,
     "wall": wall,
+    "pin_ahead": pin_ahead,
     "alloc_count": alloc_count,
     "malloc": malloc,
 }

@@ -206,6 +206,13 @@ pub trait Driver: Send + Sync {
         Ok(())
     }
 
+    /// Bytes of host memory that can still be pinned now, if known (see `crate::host_guard`): the engine
+    /// refuses to pin past it rather than let the OS kill the process. The simulated driver answers from its
+    /// configured budget.
+    fn host_available(&self) -> Option<usize> {
+        crate::host_guard::available()
+    }
+
     /// The simulated driver's extra controls (fault injection, live counts); None on real drivers.
     fn as_sim(&self) -> Option<&sim::SimDriver> {
         None

@@ -53,6 +53,12 @@ pub struct SimConfig {
     /// Physical bytes per device.
     pub capacity: usize,
     pub granularity: usize,
+    /// Host memory the simulated machine lets the allocator pin (registered plus `host_alloc` bytes); past it
+    /// `host_register` and `host_alloc` fail with CUDA_ERROR_OUT_OF_MEMORY. None: the real host's (`host_guard`).
+    pub host_memory: Option<usize>,
+    /// Time each `host_register` takes (spent outside the driver's lock), so that tests can race a sleep
+    /// against background pinning at a chosen stage.
+    pub host_register_delay: std::time::Duration,
 }
 
 impl Default for SimConfig {
@@ -61,6 +67,8 @@ impl Default for SimConfig {
             devices: 1,
             capacity: 1 << 30,
             granularity: 2 << 20,
+            host_memory: None,
+            host_register_delay: std::time::Duration::ZERO,
         }
     }
 }
@@ -325,6 +333,26 @@ impl State {
             .chain(self.host_allocated.iter())
             .find(|(&p, &l)| p <= ptr && ptr < p + l)
             .is_none_or(|(&p, &l)| ptr + size <= p + l)
+    }
+
+    /// Host bytes pinned now (registered plus allocated by `host_alloc`).
+    fn host_pinned(&self) -> usize {
+        self.host_registered
+            .values()
+            .chain(self.host_allocated.values())
+            .sum()
+    }
+
+    /// Fail `op` as CUDA does when pinning `size` more host bytes would pass the budget.
+    fn check_host_budget(&self, op: Op, size: usize, budget: Option<usize>) -> Result<()> {
+        match budget {
+            Some(b) if self.host_pinned().saturating_add(size) > b => Err(Error::driver(
+                op.name(),
+                2,
+                "CUDA_ERROR_OUT_OF_MEMORY (simulated host memory budget)",
+            )),
+            _ => Ok(()),
+        }
     }
 
     fn drop_handle_if_done(&mut self, handle: u64) {
@@ -749,8 +777,12 @@ impl Driver for SimDriver {
     }
 
     unsafe fn host_register(&self, ptr: HostPtr, size: usize) -> Result<()> {
+        if !self.config.host_register_delay.is_zero() {
+            std::thread::sleep(self.config.host_register_delay);
+        }
         let mut st = self.state.lock();
         st.enter(Op::HostRegister)?;
+        st.check_host_budget(Op::HostRegister, size, self.config.host_memory)?;
         if st.host_registered.contains_key(&ptr.0) {
             return Err(Error::driver(
                 Op::HostRegister.name(),
@@ -780,6 +812,7 @@ impl Driver for SimDriver {
     fn host_alloc(&self, size: usize) -> Result<HostPtr> {
         let mut st = self.state.lock();
         st.enter(Op::HostAlloc)?;
+        st.check_host_budget(Op::HostAlloc, size.max(1), self.config.host_memory)?;
         // SAFETY: a fresh anonymous read-write mapping at an address the kernel chooses.
         let ptr = unsafe {
             mmap_anonymous(
@@ -809,6 +842,13 @@ impl Driver for SimDriver {
 
     fn thread_spawn(&self) -> Result<()> {
         self.state.lock().enter(Op::ThreadSpawn)
+    }
+
+    fn host_available(&self) -> Option<usize> {
+        match self.config.host_memory {
+            Some(b) => Some(b.saturating_sub(self.state.lock().host_pinned())),
+            None => crate::host_guard::available(),
+        }
     }
 
     fn as_sim(&self) -> Option<&SimDriver> {

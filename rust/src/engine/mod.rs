@@ -16,6 +16,7 @@
 
 mod hostmem;
 mod pause;
+mod pin_ahead;
 mod policy;
 mod release;
 mod retain;
@@ -36,6 +37,7 @@ use crate::fingerprint;
 use crate::host::{HostBuffer, HostPool};
 use crate::registry::{self, Allocation, Registry, State};
 
+pub use pin_ahead::PinAheadStatus;
 use policy::Policies;
 pub use policy::{Status, TagPolicy, TagStatus, WakeFill};
 use release::Pending;
@@ -87,6 +89,8 @@ struct Inner {
     fingerprints_unavailable: bool,
     /// Bytes per fingerprinted chunk.
     fingerprint_chunk: usize,
+    /// The background worker pinning host memory for the next sleep, if any (pin_ahead.rs).
+    pin_ahead: Option<pin_ahead::Worker>,
 }
 
 pub struct Engine {
@@ -156,6 +160,7 @@ impl Engine {
             stats: Stats::default(),
             closed: false,
             pin_chunk: PIN_CHUNK,
+            pin_ahead: None,
             policies: Policies::default(),
             largest_backup: 0,
             poisoned: false,
@@ -188,7 +193,10 @@ impl Engine {
                     isize::MAX as usize / page * page
                 ))
             })?;
-        self.lock_open()?.pin_chunk = chunk;
+        let mut inner = self.lock_open()?;
+        // A buffer pinned ahead in cells of the old size would not match the next sleep's cells.
+        self.stop_pin_ahead(&mut inner);
+        inner.pin_chunk = chunk;
         Ok(())
     }
 
@@ -428,7 +436,8 @@ impl Engine {
     }
 
     pub fn stats(&self) -> Stats {
-        let inner = self.inner.lock();
+        let mut inner = self.inner.lock();
+        self.collect_finished_pin_ahead(&mut inner);
         let mut s = inner.stats.clone();
         s.live_allocations = inner.reg.len();
         s.asleep_allocations = inner.reg.iter().filter(|a| !a.is_awake()).count();
@@ -454,7 +463,8 @@ impl Engine {
 
     /// Host backup bytes held: arenas in use by asleep allocations plus cached ones.
     pub fn host_bytes(&self) -> usize {
-        let inner = self.inner.lock();
+        let mut inner = self.inner.lock();
+        self.collect_finished_pin_ahead(&mut inner);
         inner.arenas.iter().map(|a| a.len()).sum::<usize>() + inner.host.cached_bytes()
     }
 
@@ -462,6 +472,7 @@ impl Engine {
         let mut inner = self.lock_open()?;
         inner.host.keep = keep;
         if !keep {
+            self.stop_pin_ahead(&mut inner);
             self.drop_all_retained(&mut inner);
             inner.host.trim()?;
         }
@@ -500,14 +511,20 @@ impl Engine {
         Ok(())
     }
 
-    pub fn reserve_host(&self, len: usize) -> Result<()> {
+    /// Make sure `len` bytes of pinned host memory are cached for the next sleep: now, or (`background`) on a
+    /// worker thread that the next sleep stops and takes over (pin_ahead.rs). Refused with an out-of-memory error
+    /// when the host cannot give that much (a background worker stops at the limit instead, recording it).
+    pub fn reserve_host(&self, len: usize, background: bool) -> Result<()> {
         if len == 0 {
             return Err(Error::invalid(
                 "reserve_host needs a positive number of bytes",
             ));
         }
         let mut inner = self.lock_open()?;
-        let r = inner.host.reserve(len);
+        if background {
+            return self.start_pin_ahead(&mut inner, len);
+        }
+        let r = self.reserve_now(&mut inner, len);
         if r.is_ok() {
             inner.largest_backup = inner.largest_backup.max(len);
         }
@@ -531,6 +548,7 @@ impl Engine {
     pub fn trim_host(&self) -> Result<usize> {
         let mut inner = self.lock_unpoisoned()?;
         self.retry_pending(&mut inner);
+        self.stop_pin_ahead(&mut inner);
         self.drop_all_retained(&mut inner);
         inner.host.trim()
     }
@@ -562,6 +580,7 @@ impl Engine {
                 first_err.get_or_insert(e);
             }
         }
+        self.stop_pin_ahead(&mut inner);
         if let Err(e) = inner.host.trim() {
             first_err.get_or_insert(e);
         }

@@ -3,7 +3,7 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use super::{tag_set, Engine, Inner, Report};
+use super::{pin_ahead, tag_set, Engine, Inner, Report};
 use crate::driver::DevPtr;
 use crate::error::{Error, Result};
 use crate::host::HostBuffer;
@@ -71,13 +71,28 @@ impl Engine {
         let mut buf = None;
         if total > 0 {
             inner.largest_backup = inner.largest_backup.max(total);
-            buf = Some(match inner.host.take_cached(total) {
-                Some(buf) => buf,
-                None => {
-                    cold = true;
-                    inner.host.trim()?;
-                    HostBuffer::map_unpinned(&self.driver, total)?
+            // A buffer pinned ahead (whole or in part) is cached from here on.
+            self.stop_pin_ahead(inner);
+            let cached = inner.host.take_cached(total);
+            if cached.is_none() {
+                inner.host.trim()?;
+            }
+            // The host guard: what is still to pin must fit in what the host can give.
+            let to_pin = cached.as_ref().map_or(total, |b| b.unpinned_below(total));
+            if let Err(e) = pin_ahead::check_room(
+                &*self.driver,
+                to_pin,
+                "sleep (refused before anything was released: every allocation stays awake)",
+            ) {
+                if let Some(b) = cached {
+                    let _ = inner.host.cache(b); // as it was; a refused unpin keeps it cached anyway
                 }
+                return Err(e);
+            }
+            cold = to_pin > 0;
+            buf = Some(match cached {
+                Some(buf) => buf,
+                None => HostBuffer::map_unpinned(&self.driver, total)?,
             });
         }
 

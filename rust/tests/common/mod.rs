@@ -15,6 +15,7 @@ pub fn engine(devices: usize, capacity: usize) -> (Arc<SimDriver>, Engine) {
             devices,
             capacity,
             granularity: GRAN,
+            ..SimConfig::default()
         })
         .unwrap(),
     );
