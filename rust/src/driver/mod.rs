@@ -30,7 +30,6 @@
 
 pub mod cuda;
 mod cuda_fingerprint;
-mod cuda_zero;
 pub mod sim;
 
 use crate::error::Result;
