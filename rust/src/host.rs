@@ -248,7 +248,7 @@ impl HostBuffer {
 
     /// Split bytes [offset, offset+len) at the boundaries of pinned pieces: CUDA refuses an async copy whose
     /// host side spans two registrations (CUDA_ERROR_INVALID_VALUE), so each copy must stay inside one.
-    pub fn split_at_pieces(&self, offset: usize, len: usize) -> Vec<(usize, usize)> {
+    fn split_at_pieces(&self, offset: usize, len: usize) -> Vec<(usize, usize)> {
         let end = offset + len;
         let mut cuts: Vec<usize> = match &self.origin {
             Origin::Mapped { pinned } => pinned
@@ -282,14 +282,7 @@ impl HostBuffer {
 
     /// Copy bytes [offset, offset + out.len()) of the buffer into `out` (reading a backup on the host).
     pub fn read_at(&self, offset: usize, out: &mut [u8]) {
-        assert!(
-            offset
-                .checked_add(out.len())
-                .is_some_and(|end| end <= self.len),
-            "read of {} bytes at {offset} outside host buffer of {} bytes",
-            out.len(),
-            self.len
-        );
+        self.check_range(offset, out.len());
         // SAFETY: the range lies inside our live mapping (checked above) and `out` is a distinct Rust buffer; the
         // engine reads only complete backups (of asleep allocations), which no copy writes to any more.
         unsafe {
@@ -301,7 +294,8 @@ impl HostBuffer {
         };
     }
 
-    /// Queue the copy of `len` device bytes at `src` into bytes [offset, offset+len) of this buffer.
+    /// Queue the copy of `len` device bytes at `src` into bytes [offset, offset+len) of this buffer, one copy per
+    /// pinned piece it crosses; returns how many copies were queued.
     ///
     /// Crate-internal contract (why this is not an `unsafe fn`): the engine waits for every copy it queued
     /// before the buffer is released or dropped (`transfer::InFlight` does so on every path, panics included).
@@ -311,14 +305,22 @@ impl HostBuffer {
         src: DevPtr,
         offset: usize,
         len: usize,
-    ) -> Result<()> {
+    ) -> Result<usize> {
         self.check_range(offset, len);
-        // SAFETY: [offset, offset+len) lies inside this live buffer (checked above), which outlives the copy by
-        // the contract above; only this copy writes to that range until it is waited for.
-        unsafe { self.driver.copy_d2h(device, self.at(offset), src, len) }
+        let pieces = self.split_at_pieces(offset, len);
+        for &(off, l) in &pieces {
+            // SAFETY: [off, off+l) lies inside this live buffer (checked above), which outlives the copy by the
+            // contract above; only this copy writes to that range until it is waited for.
+            unsafe {
+                self.driver
+                    .copy_d2h(device, self.at(off), src + (off - offset) as u64, l)?
+            };
+        }
+        Ok(pieces.len())
     }
 
-    /// Queue the copy of bytes [offset, offset+len) of this buffer to `dst` on `device` (same contract).
+    /// Queue the copy of bytes [offset, offset+len) of this buffer to `dst` on `device`, one copy per pinned piece
+    /// (same contract).
     pub(crate) fn queue_to_device(
         &self,
         device: i32,
@@ -327,8 +329,14 @@ impl HostBuffer {
         len: usize,
     ) -> Result<()> {
         self.check_range(offset, len);
-        // SAFETY: as in queue_from_device; the range is only read.
-        unsafe { self.driver.copy_h2d(device, dst, self.at(offset), len) }
+        for (off, l) in self.split_at_pieces(offset, len) {
+            // SAFETY: as in queue_from_device; the range is only read.
+            unsafe {
+                self.driver
+                    .copy_h2d(device, dst + (off - offset) as u64, self.at(off), l)?
+            };
+        }
+        Ok(())
     }
 
     /// Copy `len` bytes at `src_offset` of `src` to `offset` of this buffer, on the host. No device copy may be

@@ -151,10 +151,12 @@ fn issue_cell(
     let mut ops = 0;
     for &(j, from, to) in pieces {
         let job = jobs[j];
-        for (off, len) in arena.split_at_pieces(from, to - from) {
-            ops += 1;
-            arena.queue_from_device(job.device, job.addr + (off - job.offset) as u64, off, len)?;
-        }
+        ops += arena.queue_from_device(
+            job.device,
+            job.addr + (from - job.offset) as u64,
+            from,
+            to - from,
+        )?;
         if !devices.contains(&job.device) {
             devices.push(job.device);
         }

@@ -24,11 +24,9 @@ use crate::error::{Error, Result};
 use crate::fingerprint::{self, Fingerprint};
 use crate::registry::{Backup, State};
 
-/// The fingerprints of an allocation's chunks, as its backup holds them.
-pub(super) struct Prints {
-    pub chunk: usize,
-    pub prints: Vec<Fingerprint>,
-}
+/// The fingerprints of an allocation's chunks (of the current chunk size: a change of size drops them all), as
+/// its backup holds them.
+pub(super) type Prints = Vec<Fingerprint>;
 
 /// Per device: the allocations of one fingerprint batch, in batch order.
 type Batches = HashMap<i32, Vec<DevPtr>>;
@@ -102,12 +100,7 @@ impl Engine {
     pub(super) fn keep_restored_backups(&self, inner: &mut Inner, restored: Vec<(DevPtr, Backup)>) {
         let keep = Self::retaining(inner);
         for (addr, backup) in restored {
-            if keep
-                && inner
-                    .prints
-                    .get(&addr)
-                    .is_some_and(|p| p.chunk == inner.fingerprint_chunk)
-            {
+            if keep && inner.prints.contains_key(&addr) {
                 inner.retained.insert(addr, backup);
             } else {
                 inner.prints.remove(&addr);
@@ -120,10 +113,9 @@ impl Engine {
     /// Sleep, before anything is queued: split the offloaded allocations into those with a retained backup
     /// (returned; their changed chunks go into it) and the others (left in `backed`).
     pub(super) fn split_retained(inner: &Inner, backed: &mut Vec<DevPtr>) -> Vec<DevPtr> {
-        let chunk = inner.fingerprint_chunk;
-        let (retained, fresh): (Vec<DevPtr>, Vec<DevPtr>) = backed.iter().partition(|a| {
-            inner.retained.contains_key(a) && inner.prints.get(a).is_some_and(|p| p.chunk == chunk)
-        });
+        let (retained, fresh): (Vec<DevPtr>, Vec<DevPtr>) = backed
+            .iter()
+            .partition(|a| inner.retained.contains_key(a) && inner.prints.contains_key(a));
         *backed = fresh;
         retained
     }
@@ -228,7 +220,7 @@ impl Engine {
             let a = inner.reg.get(addr).expect("selected");
             let (device, size) = (a.device, a.size);
             let backup = inner.retained.get(&addr).expect("split on it").clone();
-            let before = &inner.prints.get(&addr).expect("split on it").prints;
+            let before = inner.prints.get(&addr).expect("split on it");
             let after = sp.now.get(&addr);
             // Runs of changed chunks, each copied with as few calls as the arena's pinned pieces allow.
             let mut runs: Vec<(usize, usize)> = Vec::new();
@@ -244,7 +236,13 @@ impl Engine {
             }
             let copied = !runs.is_empty();
             for (off, len) in runs {
-                if let Err(e) = self.copy_out_to(device, addr + off as u64, &backup, off, len) {
+                let queued = backup.arena.queue_from_device(
+                    device,
+                    addr + off as u64,
+                    backup.offset + off,
+                    len,
+                );
+                if let Err(e) = queued {
                     result = Err(e);
                     break;
                 }
@@ -274,25 +272,6 @@ impl Engine {
             Some(m) => self.driver.wait_marker(device, m),
             None => self.driver.wait(device),
         }
-    }
-
-    /// Queue the device-to-host copy of `len` bytes at `src` into `backup` at `offset` of the allocation, split
-    /// at the arena's pinned pieces.
-    fn copy_out_to(
-        &self,
-        device: i32,
-        src: DevPtr,
-        backup: &Backup,
-        offset: usize,
-        len: usize,
-    ) -> Result<()> {
-        let start = backup.offset + offset;
-        for (off, l) in backup.arena.split_at_pieces(start, len) {
-            backup
-                .arena
-                .queue_from_device(device, src + (off - start) as u64, off, l)?;
-        }
-        Ok(())
     }
 
     /// Sleep, last step (after the other backups were released): wait for the changed-chunk copies (always,
@@ -331,14 +310,13 @@ impl Engine {
         }
         Self::drop_retained(inner, &sp.backed);
         let mut now = sp.now;
-        let chunk = inner.fingerprint_chunk;
         for addr in sp.backed {
             let asleep_with_backup = matches!(
                 inner.reg.get(addr).map(|a| &a.state),
                 Some(State::Asleep { backup: Some(_) })
             );
             if let (true, Some(prints)) = (asleep_with_backup, now.remove(&addr)) {
-                inner.prints.insert(addr, Prints { chunk, prints });
+                inner.prints.insert(addr, prints);
             }
         }
     }

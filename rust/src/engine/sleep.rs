@@ -14,12 +14,14 @@ impl Engine {
     /// Back up awake allocations whose tag is in `offload_tags`, then release the physical memory of every awake
     /// allocation. Allocations already asleep keep their state and backup.
     ///
-    /// Order: synchronize; fingerprint the allocations with a retained backup; queue every other backup copy
-    /// (pinning a cold arena cell by cell meanwhile); queue the copies of changed chunks into retained backups;
-    /// release the allocations that need no backup while those copies run; then, cell by cell as the copies
-    /// finish, release the backed-up allocations. An allocation is released only once its whole backup is known to be on the
-    /// host, so after any failure each offloaded allocation is either awake with its data or asleep with a
-    /// complete backup. Allocations of other tags are released without backup as asked, failure or not.
+    /// Order: synchronize; take the host arena (the last point that may fail with nothing queued); fingerprint
+    /// every offloaded allocation; queue the backup copies of those without a retained backup (pinning a cold
+    /// arena cell by cell meanwhile, or releasing finished cells as it goes into a pinned one); queue the copies
+    /// of changed chunks into retained backups; release the allocations that need no backup while those copies
+    /// run; then, as the copies finish, release the backed-up allocations. An allocation is released only once
+    /// its whole backup is known to be on the host, so after any failure each offloaded allocation is either
+    /// awake with its data or asleep with a complete backup. Allocations of other tags are released without
+    /// backup as asked, failure or not.
     pub fn sleep<S: AsRef<str>>(&self, offload_tags: &[S]) -> Result<Report> {
         let start = Instant::now();
         let offload = tag_set(offload_tags);

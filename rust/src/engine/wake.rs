@@ -117,7 +117,8 @@ impl Engine {
     fn restore(&self, inner: &Inner, addr: DevPtr, report: &mut Report) -> Result<()> {
         let a = inner.reg.get(addr).expect("selected");
         let b = Self::backup_of(inner, addr).expect("sorted first");
-        self.copy_back(a.device, a.addr, a.size, b)?;
+        b.arena
+            .queue_to_device(a.device, a.addr, b.offset, a.size)?;
         report.copied_bytes += a.size;
         Ok(())
     }
@@ -127,21 +128,6 @@ impl Engine {
         let a = inner.reg.get(addr).expect("selected");
         let (device, size) = (a.device, a.size);
         self.map_new(inner, device, addr, size)
-    }
-
-    /// Queue the copy of one backup to its allocation, split at the arena's pinned pieces.
-    pub(super) fn copy_back(
-        &self,
-        device: i32,
-        addr: DevPtr,
-        size: usize,
-        b: &Backup,
-    ) -> Result<()> {
-        for (off, len) in b.arena.split_at_pieces(b.offset, size) {
-            b.arena
-                .queue_to_device(device, addr + (off - b.offset) as u64, off, len)?;
-        }
-        Ok(())
     }
 
     pub(super) fn rollback_wake(&self, inner: &mut Inner, mapped: &[(DevPtr, PhysHandle)]) {
