@@ -57,11 +57,7 @@ impl Engine {
         if held <= inner.largest_backup {
             return true;
         }
-        let retained: usize = (inner.retained.keys())
-            .filter_map(|a| inner.reg.get(*a))
-            .map(|a| a.size)
-            .sum();
-        let referenced = inner.reg.backed_up_bytes() + retained;
+        let referenced = inner.reg.backed_up_bytes() + Self::retained_bytes(inner);
         held <= referenced.saturating_add(inner.largest_backup)
     }
 

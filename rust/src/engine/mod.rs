@@ -450,12 +450,7 @@ impl Engine {
             .sum();
         s.host_backup_bytes = inner.arenas.iter().map(|a| a.len()).sum();
         s.host_cached_bytes = inner.host.cached_bytes();
-        s.host_retained_bytes = inner
-            .retained
-            .keys()
-            .filter_map(|a| inner.reg.get(*a))
-            .map(|a| a.size)
-            .sum();
+        s.host_retained_bytes = Self::retained_bytes(&inner);
         s.retained_allocations = inner.retained.len();
         s.pending_releases = inner.pending.len();
         s
@@ -465,7 +460,7 @@ impl Engine {
     pub fn host_bytes(&self) -> usize {
         let mut inner = self.inner.lock();
         self.collect_finished_pin_ahead(&mut inner);
-        inner.arenas.iter().map(|a| a.len()).sum::<usize>() + inner.host.cached_bytes()
+        Self::host_held(&inner)
     }
 
     pub fn set_keep_host_memory(&self, keep: bool) -> Result<()> {

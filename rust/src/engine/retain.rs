@@ -58,6 +58,14 @@ impl Engine {
         inner.retain && inner.host.keep && !inner.fingerprints_unavailable
     }
 
+    /// Host bytes of the backups bound to awake allocations.
+    pub(super) fn retained_bytes(inner: &Inner) -> usize {
+        (inner.retained.keys())
+            .filter_map(|a| inner.reg.get(*a))
+            .map(|a| a.size)
+            .sum()
+    }
+
     /// Forget the prints and retained backups of `addrs`.
     pub(super) fn drop_retained(inner: &mut Inner, addrs: &[DevPtr]) {
         if inner.prints.is_empty() && inner.retained.is_empty() {
