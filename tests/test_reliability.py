@@ -132,7 +132,9 @@ def test_a_panic_surfaces_as_cumem_error_and_leaves_the_allocator_refusing_calls
     a.inject_panic(op)
     # pytest.raises(CumemError) lets anything else through: a PanicException (a BaseException) fails the test.
     with pytest.raises(CumemError, match="panic"):
-        if op in ("reserve", "map"):
+        if op == "reserve":
+            a.malloc(3 << 30)  # more than the shared reservations' free space: a new reservation is made
+        elif op == "map":
             a.malloc(4096)
         elif op == "unmap":
             a.free(addrs[0])

@@ -428,7 +428,10 @@ class AllocatorMachine(RuleBasedStateMachine):
         if self.sim:
             assert self.a.usage() == total
             mapped = live_counts(self.a)["mapped_bytes"]
-            assert mapped == total, f"driver maps {mapped} bytes, registry says {total}"
+            unreturned = self.a.stats()["unreturned_bytes"]
+            assert mapped == total + unreturned, f"driver maps {mapped} bytes, registry says {total} + {unreturned}"
+        if total == 0:
+            assert self.a.stats()["unreturned_bytes"] == 0, "a wake group outlived its last awake member"
 
     @invariant()
     def status_matches_model(self):

@@ -354,9 +354,10 @@ def check_consistency(run: Run, asleep_phase: Optional[int]) -> None:
     assert a.usage() == awake, "usage() is not the sum of the awake allocations"
     if run.backend == "sim":
         c = a.driver_counts()
-        assert c["ranges"] == len(snap)
-        assert c["handles"] == sum(not r["asleep"] for r in snap)
-        assert c["mapped_bytes"] == awake
+        # Allocations share reservations, and neighbours woken together share a handle (wake groups).
+        assert (c["ranges"] > 0) == bool(snap)
+        assert c["handles"] <= sum(not r["asleep"] for r in snap)
+        assert c["mapped_bytes"] == awake + a.stats()["unreturned_bytes"]
 
 
 def sleeper(run: Run, done: threading.Event) -> None:

@@ -167,6 +167,14 @@ class Allocator:
         """Whether wakes keep backups now: policy on, host memory kept, fingerprint kernel available."""
     def set_fingerprint_chunk(self, nbytes: int) -> None:
         """Bytes per fingerprinted chunk (positive multiple of 16; default 2 MiB). A change drops retained backups."""
+    def set_wake_group_bytes(self, nbytes: int) -> None:
+        """Largest run of neighbouring allocations of one tag that a wake maps on one shared physical handle (default
+        32 MiB; env CUMEM_RS_WAKE_GROUP_BYTES). Fewer driver calls at thousands of small allocations; the memory of a
+        member freed while its neighbours live comes back when the last of them is freed or sleeps
+        (`stats()["unreturned_bytes"]`). 0: every allocation on its own handle."""
+    @property
+    def wake_group_bytes(self) -> int:
+        """The current wake-group limit in bytes (see `set_wake_group_bytes`)."""
     def fingerprints(self, address: int, length: int) -> list[tuple[int, int]]:
         """Driver-computed 128-bit fingerprints (lo, hi) of [address, address+length), one per chunk."""
     def errors(self) -> list[str]:

@@ -347,6 +347,8 @@ impl Allocator {
             d.set_item("wakes", s.wakes)?;
             d.set_item("recorded_errors", s.recorded_errors)?;
             d.set_item("pending_releases", s.pending_releases)?;
+            d.set_item("wake_groups", s.wake_groups)?;
+            d.set_item("unreturned_bytes", s.unreturned_bytes)?;
             d.set_item(
                 "last_sleep",
                 s.last_sleep
@@ -431,6 +433,18 @@ impl Allocator {
             let n = size_arg(nbytes, "nbytes", false)?;
             Ok(py.detach(|| self.engine.set_fingerprint_chunk(n))?)
         })
+    }
+
+    fn set_wake_group_bytes(&self, py: Python<'_>, nbytes: &Bound<'_, PyAny>) -> PyResult<()> {
+        guard(|| {
+            let n = size_arg(nbytes, "nbytes", true)?;
+            Ok(py.detach(|| self.engine.set_wake_group_bytes(n))?)
+        })
+    }
+
+    #[getter]
+    fn wake_group_bytes(&self, py: Python<'_>) -> PyResult<usize> {
+        guard(|| Ok(py.detach(|| self.engine.wake_group_bytes())))
     }
 
     /// Driver-computed fingerprints of [address, address+length): a list of (lo, hi) pairs, one per chunk.

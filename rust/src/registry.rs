@@ -18,10 +18,19 @@ pub struct Backup {
     pub offset: usize,
 }
 
+/// The physical memory under an awake allocation.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Backing {
+    /// A handle of its own, mapped over exactly its range.
+    Own(PhysHandle),
+    /// Its part of a wake group's handle (the engine's group table, by id), shared with its neighbours.
+    Group(u64),
+}
+
 #[derive(Clone)]
 pub enum State {
     /// Physical memory mapped and accessible.
-    Awake { handle: PhysHandle },
+    Awake { backing: Backing },
     /// Physical memory released; the range stays reserved. `backup` is None for discarded contents.
     Asleep { backup: Option<Backup> },
 }
@@ -227,7 +236,7 @@ mod tests {
             tag: Arc::from("t"),
             stream: 0,
             state: State::Awake {
-                handle: PhysHandle(addr),
+                backing: Backing::Own(PhysHandle(addr)),
             },
         }
     }
@@ -264,7 +273,7 @@ mod tests {
         r.set_state(
             0x1000,
             State::Awake {
-                handle: PhysHandle(9),
+                backing: Backing::Own(PhysHandle(9)),
             },
         );
         assert_eq!(r.mapped_bytes(None), 0x1000);

@@ -14,6 +14,7 @@
 //! use or change the records fails with a clear error instead of trusting records a panic may have left half
 //! updated (parking_lot's mutex does not poison by itself).
 
+mod group;
 mod hostmem;
 mod pause;
 mod pin_ahead;
@@ -31,11 +32,12 @@ use std::sync::Arc;
 
 use parking_lot::{Mutex, MutexGuard};
 
+use crate::address_space::AddressSpace;
 use crate::driver::{self, DevPtr, Driver, PhysHandle};
 use crate::error::{Error, Result};
 use crate::fingerprint;
 use crate::host::{HostBuffer, HostPool};
-use crate::registry::{self, Allocation, Registry, State};
+use crate::registry::{self, Allocation, Backing, Registry, State};
 
 pub use pin_ahead::PinAheadStatus;
 use policy::Policies;
@@ -63,6 +65,8 @@ const POISONED: &str = "the allocator is unusable: a call panicked (an internal 
 
 struct Inner {
     reg: Registry,
+    /// Where allocations are placed: side by side in shared reservations (address_space.rs).
+    vas: AddressSpace,
     host: HostPool,
     /// Host arenas that asleep allocations still point into.
     arenas: Vec<Arc<HostBuffer>>,
@@ -89,6 +93,9 @@ struct Inner {
     fingerprints_unavailable: bool,
     /// Bytes per fingerprinted chunk.
     fingerprint_chunk: usize,
+    /// Wake groups: runs of small neighbours sharing one handle (group.rs), and their size limit.
+    groups: group::Groups,
+    group_bytes: usize,
     /// The background worker pinning host memory for the next sleep, if any (pin_ahead.rs).
     pin_ahead: Option<pin_ahead::Worker>,
 }
@@ -153,6 +160,7 @@ impl Engine {
             .collect::<Result<Vec<_>>>()?;
         let inner = Inner {
             reg: Registry::default(),
+            vas: AddressSpace::default(),
             host: HostPool::new(driver.clone()),
             arenas: Vec::new(),
             pending: Vec::new(),
@@ -161,6 +169,8 @@ impl Engine {
             closed: false,
             pin_chunk: PIN_CHUNK,
             pin_ahead: None,
+            groups: group::Groups::default(),
+            group_bytes: group::initial_group_bytes(),
             policies: Policies::default(),
             largest_backup: 0,
             poisoned: false,
@@ -273,11 +283,11 @@ impl Engine {
             })?;
         let mut inner = self.lock_open()?;
         self.retry_pending(&mut inner);
-        let addr = self.driver.reserve(device, rounded)?;
+        let addr = inner.vas.alloc(&*self.driver, device, rounded, gran)?;
         let handle = match self.map_new(&mut inner, device, addr, rounded) {
             Ok(h) => h,
             Err(e) => {
-                self.free_range_or_queue(&mut inner, addr, rounded);
+                self.return_address(&mut inner, addr, rounded);
                 return Err(e);
             }
         };
@@ -288,7 +298,9 @@ impl Engine {
             device,
             tag,
             stream,
-            state: State::Awake { handle },
+            state: State::Awake {
+                backing: Backing::Own(handle),
+            },
         });
         inner.stats.mallocs += 1;
         Self::note_peak(&mut inner);
@@ -321,31 +333,50 @@ impl Engine {
             .get(addr)
             .ok_or(Error::UnknownAddress(addr))?
             .clone();
-        let mut unmapped = true;
-        if let State::Awake { handle } = a.state {
-            // The caller's work on this memory must be finished before it is unmapped (a no-op during capture).
-            let done = self
-                .driver
-                .synchronize(a.device, a.stream)
-                .and_then(|()| self.driver.unmap(a.addr, a.size));
-            match done {
-                Ok(()) => self.release_or_queue(inner, handle),
-                Err(e) if !queue_failures => return Err(e),
-                Err(e) => {
-                    Self::record(
-                        inner,
-                        &format!("free {addr:#x} (its unmap, release and address free are queued for retry)"),
-                        &e,
-                    );
-                    self.queue_release(inner, a.addr, a.size, handle);
-                    unmapped = false;
+        let mut return_address = true;
+        match a.state {
+            State::Awake {
+                backing: Backing::Own(handle),
+            } => {
+                // The caller's work on this memory must be finished before it is unmapped (a no-op during capture).
+                let done = self
+                    .driver
+                    .synchronize(a.device, a.stream)
+                    .and_then(|()| self.driver.unmap(a.addr, a.size));
+                match done {
+                    Ok(()) => self.release_or_queue(inner, handle),
+                    Err(e) if !queue_failures => return Err(e),
+                    Err(e) => {
+                        Self::record(
+                            inner,
+                            &format!("free {addr:#x} (its unmap, release and address free are queued for retry)"),
+                            &e,
+                        );
+                        self.queue_release(inner, a.addr, a.size, handle);
+                        return_address = false;
+                    }
                 }
             }
+            State::Awake {
+                backing: Backing::Group(id),
+            } => {
+                let done = self
+                    .driver
+                    .synchronize(a.device, a.stream)
+                    .and_then(|()| self.free_member(inner, id, a.addr, a.size));
+                match done {
+                    Ok(()) => {}
+                    Err(e) if !queue_failures => return Err(e),
+                    Err(e) => self.drop_member_queued(inner, id, a.addr, a.size, &e),
+                }
+                return_address = false; // the group returns its members' addresses
+            }
+            State::Asleep { .. } => {}
         }
         inner.reg.remove(addr);
         Self::drop_retained(inner, &[addr]);
-        if unmapped {
-            self.free_range_or_queue(inner, a.addr, a.size);
+        if return_address {
+            self.return_address(inner, a.addr, a.size);
         }
         inner.stats.frees += 1;
         drop(a); // its backup reference, if asleep
@@ -453,6 +484,8 @@ impl Engine {
         s.host_retained_bytes = Self::retained_bytes(&inner);
         s.retained_allocations = inner.retained.len();
         s.pending_releases = inner.pending.len();
+        s.wake_groups = inner.groups.len();
+        s.unreturned_bytes = inner.groups.unreturned;
         s
     }
 

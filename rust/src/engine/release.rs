@@ -13,6 +13,9 @@ use crate::error::Result;
 pub(super) enum Pending {
     Unmap { addr: DevPtr, size: usize },
     Release(PhysHandle),
+    /// Give an allocation's addresses back to the address space (after its queued unmap).
+    ReturnAddress { addr: DevPtr, size: usize },
+    /// Free a whole reservation (an emptied slab).
     FreeRange { addr: DevPtr, size: usize },
 }
 
@@ -42,8 +45,15 @@ impl Engine {
         }
     }
 
+    /// Give [addr, addr+size) back to the address space; a slab it empties is freed (or queued for retry).
+    pub(super) fn return_address(&self, inner: &mut Inner, addr: DevPtr, size: usize) {
+        if let Some((base, slab_size)) = inner.vas.free(addr, size) {
+            self.free_range_or_queue(inner, base, slab_size);
+        }
+    }
+
     /// Queue the whole release of an allocation whose unmap could not be done now: unmap, release of its
-    /// handle, address free, retried in that order by later calls.
+    /// handle, return of its addresses, retried in that order by later calls.
     pub(super) fn queue_release(
         &self,
         inner: &mut Inner,
@@ -54,7 +64,7 @@ impl Engine {
         inner.pending.extend([
             Pending::Unmap { addr, size },
             Pending::Release(handle),
-            Pending::FreeRange { addr, size },
+            Pending::ReturnAddress { addr, size },
         ]);
     }
 
@@ -67,12 +77,21 @@ impl Engine {
         queued.sort_by_key(|p| match p {
             Pending::Unmap { .. } => 0,
             Pending::Release(_) => 1,
-            Pending::FreeRange { .. } => 2,
+            Pending::ReturnAddress { .. } => 2,
+            Pending::FreeRange { .. } => 3,
         });
         for p in queued {
             let r = match p {
+                // Addresses still mapped must not be handed out again.
+                Pending::ReturnAddress { addr, size } if still_mapped(&inner.pending, addr, size) => {
+                    Err(crate::error::Error::InvalidState("still mapped".into()))
+                }
                 Pending::Unmap { addr, size } => self.driver.unmap(addr, size),
                 Pending::Release(h) => self.driver.release(h),
+                Pending::ReturnAddress { addr, size } => {
+                    self.return_address(inner, addr, size);
+                    Ok(())
+                }
                 Pending::FreeRange { addr, size } => self.driver.free_range(addr, size),
             };
             if r.is_err() {
@@ -134,4 +153,12 @@ impl Engine {
             }
         }
     }
+}
+
+/// Whether an unmap still queued in `pending` overlaps [addr, addr+size).
+fn still_mapped(pending: &[Pending], addr: DevPtr, size: usize) -> bool {
+    pending.iter().any(|p| match *p {
+        Pending::Unmap { addr: a, size: n } => a < addr + size as u64 && addr < a + n as u64,
+        _ => false,
+    })
 }

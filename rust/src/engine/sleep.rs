@@ -7,7 +7,7 @@ use super::{pin_ahead, tag_set, Engine, Inner, Report};
 use crate::driver::DevPtr;
 use crate::error::{Error, Result};
 use crate::host::HostBuffer;
-use crate::registry::{Allocation, Backup, State};
+use crate::registry::{Allocation, Backing, Backup, State};
 use crate::transfer;
 
 impl Engine {
@@ -179,8 +179,10 @@ impl Engine {
             }
         }
         drop(issued); // after a failure: waits for the copy streams too
-                      // 7. Once their changed chunks are on the host, release the allocations with a retained backup.
+
+        // 7. Once their changed chunks are on the host, release the allocations with a retained backup.
         self.finish_sleep_prints(inner, prints, changed_ok, &mut report, &mut first_err);
+        Self::abandon_incomplete_groups(inner);
         drop(cells);
         self.collect_unused_arenas(inner);
         report.seconds = start.elapsed().as_secs_f64();
@@ -197,7 +199,8 @@ impl Engine {
         first_err.map_or(Ok(report), Err)
     }
 
-    /// Unmap and release one awake allocation and mark it asleep with `backup`. A failed unmap leaves it awake.
+    /// Unmap and release one awake allocation and mark it asleep with `backup`. A failed unmap leaves it awake. A
+    /// wake-group member is only marked released until its whole group is (group.rs).
     pub(super) fn release_to_sleep(
         &self,
         inner: &mut Inner,
@@ -206,8 +209,12 @@ impl Engine {
         report: &mut Report,
     ) -> Result<()> {
         let a = inner.reg.get(addr).expect("selected");
-        let State::Awake { handle } = a.state else {
+        let State::Awake { backing } = a.state else {
             unreachable!("selected awake")
+        };
+        let handle = match backing {
+            Backing::Own(handle) => handle,
+            Backing::Group(id) => return self.release_member(inner, id, addr, backup, report),
         };
         let size = a.size;
         self.unmap_release(inner, addr, size, handle)?;
@@ -218,6 +225,7 @@ impl Engine {
         inner.reg.set_state(addr, State::Asleep { backup });
         Ok(())
     }
+
     /// Release awake allocations whose tag is in `tags`, without backup. Other tags are untouched.
     pub fn discard<S: AsRef<str>>(&self, tags: &[S]) -> Result<Report> {
         let start = Instant::now();
@@ -234,22 +242,14 @@ impl Engine {
         let mut report = Report::default();
         let mut first_err = None;
         for addr in targets {
-            let a = inner.reg.get(addr).expect("selected").clone();
-            let State::Awake { handle } = a.state else {
-                unreachable!("selected awake")
-            };
-            match self.unmap_release(&mut inner, a.addr, a.size, handle) {
-                Ok(()) => {
-                    inner.reg.set_state(addr, State::Asleep { backup: None });
-                    Self::drop_retained(&mut inner, &[addr]);
-                    report.allocations += 1;
-                    report.discarded_bytes += a.size;
-                }
+            match self.release_to_sleep(&mut inner, addr, None, &mut report) {
+                Ok(()) => Self::drop_retained(&mut inner, &[addr]),
                 Err(e) => {
                     first_err.get_or_insert(e);
                 }
             }
         }
+        Self::abandon_incomplete_groups(&mut inner);
         self.collect_unused_arenas(&mut inner);
         report.seconds = start.elapsed().as_secs_f64();
         first_err.map_or(Ok(report), Err)

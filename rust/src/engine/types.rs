@@ -52,6 +52,11 @@ pub struct Stats {
     pub wakes: u64,
     pub recorded_errors: u64,
     pub pending_releases: usize,
+    /// Wake groups alive (runs of neighbours woken on one shared handle, `group.rs`).
+    pub wake_groups: usize,
+    /// Bytes of freed allocations whose memory a wake group still holds for its live members (returned when the
+    /// last member is freed or the group sleeps).
+    pub unreturned_bytes: usize,
     pub last_sleep: Option<Report>,
     pub last_wake: Option<Report>,
 }

@@ -1,0 +1,250 @@
+//! Wake groups: neighbouring small allocations woken together share one physical handle and one mapping.
+//!
+//! Why: the driver's create, map, set-access, unmap and release calls cost tens of microseconds per handle or
+//! mapping whatever its size (H200: ~20 + 5 + 27 us at wake, ~18 + 17 us at sleep per 2 MiB allocation, even
+//! when one set-access or unmap call covers hundreds of mappings). At thousands of allocations those calls, not
+//! the copies, bound the wake and the sleep. A run of adjacent asleep allocations of one tag on one device
+//! (adjacent because `address_space` places allocations side by side) is therefore mapped at wake as one
+//! handle of their total size, mapped once and made accessible once; the next sleep unmaps and releases it once.
+//!
+//! The cost, and what keeps it small: physical memory of a handle is returned only as a whole. A member freed
+//! while its neighbours live keeps its memory (and its addresses) until the last member of the group is freed
+//! or the group sleeps; `Stats::unreturned_bytes` shows how much that is. Groups are capped at
+//! `DEFAULT_GROUP_BYTES` (and can be turned off with `set_wake_group_bytes(0)`), so at most one group's worth
+//! minus one member is held per partly freed group. Remapping the surviving members to return the memory at once
+//! is not done: it would move live memory other streams may be using. Every member has one tag, so sleep,
+//! discard and pause, which select by tag, always release a group whole.
+
+use std::collections::HashMap;
+
+use super::{Engine, Inner, Report};
+use crate::driver::{DevPtr, PhysHandle};
+use crate::error::{Error, Result};
+use crate::registry::{Backing, Backup, State};
+
+/// Largest group formed at wake (bytes). 32 MiB turns 6144 allocations of 2 MiB into 384 handles (measured
+/// enough for their wake and sleep to run at the copy limit) while a partly freed group holds little.
+pub const DEFAULT_GROUP_BYTES: usize = 32 << 20;
+
+/// The group limit a new engine starts with: `CUMEM_RS_WAKE_GROUP_BYTES` (0 turns groups off), else the default.
+pub(super) fn initial_group_bytes() -> usize {
+    match std::env::var("CUMEM_RS_WAKE_GROUP_BYTES") {
+        Err(_) => DEFAULT_GROUP_BYTES,
+        Ok(v) => v.trim().parse().unwrap_or_else(|_| {
+            log::warn!("CUMEM_RS_WAKE_GROUP_BYTES={v:?} is not a byte count; using {DEFAULT_GROUP_BYTES}");
+            DEFAULT_GROUP_BYTES
+        }),
+    }
+}
+
+pub(super) struct Group {
+    pub addr: DevPtr,
+    pub size: usize,
+    pub handle: PhysHandle,
+    /// Live members (in the registry, awake on this group).
+    pub live: usize,
+    /// Members freed while the group lived: their addresses go back to the address space with the group.
+    pub freed: Vec<(DevPtr, usize)>,
+    /// Members a sleep (or discard) has released so far, with the backup each goes to sleep with; the group is
+    /// unmapped when every live member is in here. Emptied at the end of the call if it stayed incomplete.
+    pub ready: Vec<(DevPtr, Option<Backup>)>,
+}
+
+#[derive(Default)]
+pub(super) struct Groups {
+    next: u64,
+    by_id: HashMap<u64, Group>,
+    /// Bytes of freed members still held by live groups.
+    pub unreturned: usize,
+}
+
+impl Groups {
+    pub fn insert(&mut self, g: Group) -> u64 {
+        self.next += 1;
+        self.by_id.insert(self.next, g);
+        self.next
+    }
+
+    pub fn len(&self) -> usize {
+        self.by_id.len()
+    }
+}
+
+/// What a wake mapped: one allocation on its own handle, or a run of them on one shared handle.
+pub(super) struct Mapped {
+    pub addr: DevPtr,
+    pub size: usize,
+    pub handle: PhysHandle,
+    pub members: Vec<DevPtr>,
+}
+
+impl Engine {
+    /// Largest run of neighbours a later wake maps on one handle; 0 maps every allocation on its own (each
+    /// free then returns its memory at once). Groups already formed are kept.
+    pub fn set_wake_group_bytes(&self, bytes: usize) -> Result<()> {
+        self.lock_open()?.group_bytes = bytes;
+        Ok(())
+    }
+
+    pub fn wake_group_bytes(&self) -> usize {
+        self.inner.lock().group_bytes
+    }
+
+    /// Split `addrs` (asleep allocations in address order) into the runs one wake maps together: adjacent
+    /// addresses in one reservation, one device, one tag, at most `group_bytes` in all. Allocations that fit no
+    /// run are runs of one.
+    pub(super) fn wake_runs(inner: &Inner, addrs: &[DevPtr]) -> Vec<Vec<DevPtr>> {
+        let limit = inner.group_bytes;
+        let mut runs: Vec<Vec<DevPtr>> = Vec::new();
+        let mut run_bytes = 0;
+        for &addr in addrs {
+            let a = inner.reg.get(addr).expect("selected");
+            let joins = runs.last().is_some_and(|run| {
+                let last = inner.reg.get(*run.last().expect("non-empty")).expect("selected");
+                last.end() == a.addr
+                    && last.device == a.device
+                    && last.tag == a.tag
+                    && run_bytes + a.size <= limit
+                    && inner.vas.same_slab(last.addr, a.addr)
+            });
+            if joins {
+                runs.last_mut().expect("joins").push(addr);
+                run_bytes += a.size;
+            } else {
+                runs.push(vec![addr]);
+                run_bytes = a.size;
+            }
+        }
+        runs
+    }
+
+    /// Map new physical memory under one run of asleep allocations: their own handle for a run of one, else one
+    /// handle of the run's total size mapped once over it. Undoes its own steps on failure.
+    pub(super) fn map_run(&self, inner: &mut Inner, run: &[DevPtr]) -> Result<Mapped> {
+        let first = inner.reg.get(run[0]).expect("selected");
+        let (device, addr) = (first.device, first.addr);
+        let size = run
+            .iter()
+            .map(|a| inner.reg.get(*a).expect("selected").size)
+            .sum();
+        let handle = self.map_new(inner, device, addr, size)?;
+        Ok(Mapped {
+            addr,
+            size,
+            handle,
+            members: run.to_vec(),
+        })
+    }
+
+    /// Mark a wake's mapped runs awake: a run of one on its own handle, a longer run as a new group.
+    pub(super) fn commit_mapped(&self, inner: &mut Inner, mapped: Vec<Mapped>) {
+        for m in mapped {
+            let backing = if m.members.len() == 1 {
+                Backing::Own(m.handle)
+            } else {
+                Backing::Group(inner.groups.insert(Group {
+                    addr: m.addr,
+                    size: m.size,
+                    handle: m.handle,
+                    live: m.members.len(),
+                    freed: Vec::new(),
+                    ready: Vec::new(),
+                }))
+            };
+            for addr in m.members {
+                inner.reg.set_state(addr, State::Awake { backing });
+            }
+        }
+    }
+
+    /// Release one member of a group for sleep or discard. The group is unmapped and released, and its members
+    /// marked asleep, once every live member was released; until then nothing changes but the ready list. A
+    /// failed unmap leaves every member awake.
+    pub(super) fn release_member(
+        &self,
+        inner: &mut Inner,
+        id: u64,
+        addr: DevPtr,
+        backup: Option<Backup>,
+        report: &mut Report,
+    ) -> Result<()> {
+        let g = inner.groups.by_id.get_mut(&id).expect("live group");
+        g.ready.push((addr, backup));
+        if g.ready.len() < g.live {
+            return Ok(());
+        }
+        let (gaddr, gsize, handle) = (g.addr, g.size, g.handle);
+        if let Err(e) = self.driver.unmap(gaddr, gsize) {
+            g.ready.clear();
+            return Err(e);
+        }
+        let g = inner.groups.by_id.remove(&id).expect("live group");
+        self.release_or_queue(inner, handle);
+        for (a, n) in g.freed {
+            inner.groups.unreturned -= n;
+            self.return_address(inner, a, n);
+        }
+        for (a, backup) in g.ready {
+            let size = inner.reg.get(a).expect("member").size;
+            if backup.is_none() {
+                report.discarded_bytes += size;
+            }
+            report.allocations += 1;
+            inner.reg.set_state(a, State::Asleep { backup });
+        }
+        Ok(())
+    }
+
+    /// End of a sleep or discard: groups left incomplete (a member's backup failed) keep every member awake.
+    pub(super) fn abandon_incomplete_groups(inner: &mut Inner) {
+        for g in inner.groups.by_id.values_mut() {
+            g.ready.clear();
+        }
+    }
+
+    /// Free one awake member (its caller's work on it is finished). The last live member unmaps and releases
+    /// the group and returns every member's addresses; an earlier one only leaves the group, its memory held
+    /// until then. A failed unmap is returned with nothing changed.
+    pub(super) fn free_member(&self, inner: &mut Inner, id: u64, addr: DevPtr, size: usize) -> Result<()> {
+        let g = inner.groups.by_id.get_mut(&id).expect("live group");
+        if g.live > 1 {
+            g.live -= 1;
+            g.freed.push((addr, size));
+            inner.groups.unreturned += size;
+            return Ok(());
+        }
+        let g = inner.groups.by_id.get(&id).expect("live group");
+        self.driver.unmap(g.addr, g.size)?;
+        let g = inner.groups.by_id.remove(&id).expect("live group");
+        self.release_or_queue(inner, g.handle);
+        for (a, n) in g.freed {
+            inner.groups.unreturned -= n;
+            self.return_address(inner, a, n);
+        }
+        self.return_address(inner, addr, size);
+        Ok(())
+    }
+
+    /// Where `free_member` failed (or was not tried) for a caller that forgets the pointer whatever happens: the
+    /// member leaves its group; if it was the last, the group's unmap, release and address return are queued for
+    /// retry and recorded.
+    pub(super) fn drop_member_queued(&self, inner: &mut Inner, id: u64, addr: DevPtr, size: usize, e: &Error) {
+        let g = inner.groups.by_id.get_mut(&id).expect("live group");
+        if g.live > 1 {
+            g.live -= 1;
+            g.freed.push((addr, size));
+            inner.groups.unreturned += size;
+            return;
+        }
+        let g = inner.groups.by_id.remove(&id).expect("live group");
+        for (_, n) in &g.freed {
+            inner.groups.unreturned -= n;
+        }
+        Self::record(
+            inner,
+            &format!("free {addr:#x} (its group's unmap, release and address return are queued for retry)"),
+            e,
+        );
+        self.queue_release(inner, g.addr, g.size, g.handle);
+    }
+}
