@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use criterion::{criterion_group, criterion_main, BatchSize, Criterion};
 use cumem_rs::driver::PhysHandle;
-use cumem_rs::registry::{Allocation, Registry, State};
+use cumem_rs::registry::{Allocation, Backing, Registry, State};
 
 const LIVE: u64 = 100_000;
 const GRAN: u64 = 2 << 20;
@@ -20,7 +20,7 @@ fn allocation(i: u64, tag: &Arc<str>) -> Allocation {
         tag: tag.clone(),
         stream: 0,
         state: State::Awake {
-            handle: PhysHandle(i),
+            backing: Backing::Own(PhysHandle(i)),
         },
     }
 }

@@ -98,7 +98,10 @@ impl AddressSpace {
         let mut start = addr;
         let mut len = size;
         if let Some((&s, &l)) = slab.free.range(..addr).next_back() {
-            debug_assert!(s + l as u64 <= addr, "double free of address space at {addr:#x}");
+            debug_assert!(
+                s + l as u64 <= addr,
+                "double free of address space at {addr:#x}"
+            );
             if s + l as u64 == addr {
                 slab.free.remove(&s);
                 start = s;
@@ -130,7 +133,8 @@ impl AddressSpace {
 
     /// Whether two addresses lie in the same reservation (one mapping may cover both).
     pub fn same_slab(&self, a: DevPtr, b: DevPtr) -> bool {
-        self.slab_base(a).is_some_and(|s| Some(s) == self.slab_base(b))
+        self.slab_base(a)
+            .is_some_and(|s| Some(s) == self.slab_base(b))
     }
 
     /// How many slabs are reserved.

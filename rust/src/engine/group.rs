@@ -31,7 +31,9 @@ pub(super) fn initial_group_bytes() -> usize {
     match std::env::var("CUMEM_RS_WAKE_GROUP_BYTES") {
         Err(_) => DEFAULT_GROUP_BYTES,
         Ok(v) => v.trim().parse().unwrap_or_else(|_| {
-            log::warn!("CUMEM_RS_WAKE_GROUP_BYTES={v:?} is not a byte count; using {DEFAULT_GROUP_BYTES}");
+            log::warn!(
+                "CUMEM_RS_WAKE_GROUP_BYTES={v:?} is not a byte count; using {DEFAULT_GROUP_BYTES}"
+            );
             DEFAULT_GROUP_BYTES
         }),
     }
@@ -100,7 +102,10 @@ impl Engine {
         for &addr in addrs {
             let a = inner.reg.get(addr).expect("selected");
             let joins = runs.last().is_some_and(|run| {
-                let last = inner.reg.get(*run.last().expect("non-empty")).expect("selected");
+                let last = inner
+                    .reg
+                    .get(*run.last().expect("non-empty"))
+                    .expect("selected");
                 last.end() == a.addr
                     && last.device == a.device
                     && last.tag == a.tag
@@ -205,7 +210,13 @@ impl Engine {
     /// Free one awake member (its caller's work on it is finished). The last live member unmaps and releases
     /// the group and returns every member's addresses; an earlier one only leaves the group, its memory held
     /// until then. A failed unmap is returned with nothing changed.
-    pub(super) fn free_member(&self, inner: &mut Inner, id: u64, addr: DevPtr, size: usize) -> Result<()> {
+    pub(super) fn free_member(
+        &self,
+        inner: &mut Inner,
+        id: u64,
+        addr: DevPtr,
+        size: usize,
+    ) -> Result<()> {
         let g = inner.groups.by_id.get_mut(&id).expect("live group");
         if g.live > 1 {
             g.live -= 1;
@@ -228,7 +239,14 @@ impl Engine {
     /// Where `free_member` failed (or was not tried) for a caller that forgets the pointer whatever happens: the
     /// member leaves its group; if it was the last, the group's unmap, release and address return are queued for
     /// retry and recorded.
-    pub(super) fn drop_member_queued(&self, inner: &mut Inner, id: u64, addr: DevPtr, size: usize, e: &Error) {
+    pub(super) fn drop_member_queued(
+        &self,
+        inner: &mut Inner,
+        id: u64,
+        addr: DevPtr,
+        size: usize,
+        e: &Error,
+    ) {
         let g = inner.groups.by_id.get_mut(&id).expect("live group");
         if g.live > 1 {
             g.live -= 1;

@@ -11,12 +11,21 @@ use crate::error::Result;
 /// A driver release that failed after the point of no return, retried by later calls.
 #[derive(Debug, Clone, Copy)]
 pub(super) enum Pending {
-    Unmap { addr: DevPtr, size: usize },
+    Unmap {
+        addr: DevPtr,
+        size: usize,
+    },
     Release(PhysHandle),
     /// Give an allocation's addresses back to the address space (after its queued unmap).
-    ReturnAddress { addr: DevPtr, size: usize },
+    ReturnAddress {
+        addr: DevPtr,
+        size: usize,
+    },
     /// Free a whole reservation (an emptied slab).
-    FreeRange { addr: DevPtr, size: usize },
+    FreeRange {
+        addr: DevPtr,
+        size: usize,
+    },
 }
 
 impl Engine {
@@ -83,7 +92,9 @@ impl Engine {
         for p in queued {
             let r = match p {
                 // Addresses still mapped must not be handed out again.
-                Pending::ReturnAddress { addr, size } if still_mapped(&inner.pending, addr, size) => {
+                Pending::ReturnAddress { addr, size }
+                    if still_mapped(&inner.pending, addr, size) =>
+                {
                     Err(crate::error::Error::InvalidState("still mapped".into()))
                 }
                 Pending::Unmap { addr, size } => self.driver.unmap(addr, size),
