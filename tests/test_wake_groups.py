@@ -120,6 +120,7 @@ def test_freed_members_come_back_with_the_last_member(alloc):
     a = alloc
     g = a.granularity(0)
     a.set_wake_group_bytes(8 * g)
+    u0 = a.usage()  # on CUDA the process-wide allocator may hold other allocations
     addrs, data = make(a, "weights", 4)
     a.sleep("weights")
     a.wake_up()
@@ -129,7 +130,7 @@ def test_freed_members_come_back_with_the_last_member(alloc):
     a.free(addrs[3])
     s = a.stats()
     assert s["unreturned_bytes"] == 2 * g and s["wake_groups"] == 1, s
-    assert a.usage() == 2 * g
+    assert a.usage() == u0 + 2 * g
     if mapped0 is not None:
         assert live_counts(a)["mapped_bytes"] == mapped0, "the group's memory is held until its last member goes"
     check(a, {p: data[p] for p in (addrs[0], addrs[2])})
@@ -156,8 +157,11 @@ def test_a_group_with_freed_members_sleeps_whole_and_returns_them(alloc):
     a.free(addrs[0])
     del data[addrs[0]]
     assert a.stats()["unreturned_bytes"] == g
+    others = sum(not r["asleep"] for r in a.allocations()) - 3  # awake allocations of other tests (CUDA)
     r = a.sleep("weights")
-    assert r["allocations"] == 3 and r["copied_bytes"] + r["skipped_bytes"] == 3 * g, r
+    assert r["allocations"] == 3 + others, r
+    if a.backend == "sim":
+        assert r["copied_bytes"] + r["skipped_bytes"] == 3 * g, r
     assert a.stats()["unreturned_bytes"] == 0 and a.stats()["wake_groups"] == 0
     if a.backend == "sim":
         assert live_counts(a)["mapped_bytes"] == 0
@@ -174,6 +178,7 @@ def test_discard_and_pause_release_groups_whole(alloc):
     a = alloc
     g = a.granularity(0)
     a.set_wake_group_bytes(8 * g)
+    u0 = a.usage()
     k, _ = make(a, "kv_cache", 4)
     w, wd = make(a, "weights", 4)
     a.sleep("weights")
@@ -186,7 +191,7 @@ def test_discard_and_pause_release_groups_whole(alloc):
     assert r["allocations"] == 4 and a.stats()["wake_groups"] == 0, r
     a.resume("weights")
     check(a, wd)
-    assert a.usage() == 4 * g
+    assert a.usage() == u0 + 4 * g
 
 
 def test_groups_off_maps_each_allocation_on_its_own(alloc):

@@ -3,6 +3,8 @@ and wake on the copy path (retained backups off) as ratios of the pinned copy of
 process. Through the core `Allocator` (its malloc; torch views for fill and checksums on the GPU) and through
 CuMemAllocator (torch.empty in a `use_memory_pool` block: torch packs tensors under 10 MiB into shared segments,
 so the row names the number of segments our allocator saw). The per-allocation driver work is what this exposes.
+The largest count is measured once more with wake groups off (every allocation on its own handle), the reference
+for what grouping neighbours buys.
 """
 
 from __future__ import annotations
@@ -55,6 +57,11 @@ def run(ctx: Context) -> None:
             size = max(gran, (TOTAL_BYTES // ctx.scale // n) // gran * gran)
             h2d, d2h = limit(ctx, n * size, key=f"_{(n * size) >> 20}mib")
             _row(ctx, layer, n, size, h2d, d2h)
+    # The same largest count with wake groups off: what grouping neighbours on one handle buys, in this run.
+    n = max(counts)
+    size = max(gran, (TOTAL_BYTES // ctx.scale // n) // gran * gran)
+    h2d, d2h = limit(ctx, n * size, key=f"_{(n * size) >> 20}mib")
+    _row(ctx, "core", n, size, h2d, d2h, groups=False)
     if not ctx.gpu:
         ctx.res.skipped("allocation count via CuMemAllocator (torch tensors)", "no GPU")
 
@@ -67,16 +74,20 @@ def _granularity(ctx: Context) -> int:
     return Allocator.cuda().granularity(ctx.device)
 
 
-def _row(ctx: Context, layer: str, n: int, size: int, h2d: float, d2h: float) -> None:
+def _row(ctx: Context, layer: str, n: int, size: int, h2d: float, d2h: float, groups: bool = True) -> None:
     specs = equal_specs(n, size)
     total = n * size
+    off = "" if groups else ", wake groups off"
+    key_off = "" if groups else "_nogroups"
     if not ctx.gpu:
         alloc = sim_allocator(ctx.scale, [total])
         try:
+            if not groups:
+                alloc.set_wake_group_bytes(0)
             sim = SimSubject(alloc, specs)
             sim.allocate()
-            _cycles(ctx, alloc, f"alloc_count_core_{n}", f"{n} x {fmt_bytes(size)}, core Allocator", sim,
-                    lambda: alloc.sleep(WEIGHTS_TAG), alloc.wake_up, total, h2d, d2h, "", n, True)
+            _cycles(ctx, alloc, f"alloc_count_core_{n}{key_off}", f"{n} x {fmt_bytes(size)}, core Allocator{off}",
+                    sim, lambda: alloc.sleep(WEIGHTS_TAG), alloc.wake_up, total, h2d, d2h, "", n, True)
             sim.release()
             ctx.add_errors(alloc.errors())
         finally:
@@ -84,10 +95,21 @@ def _row(ctx: Context, layer: str, n: int, size: int, h2d: float, d2h: float) ->
         return
 
     from .. import Allocator
-    from ..allocator import CuMemAllocator
 
     core = Allocator.cuda()
     ctx.check_fits(total)
+    group_bytes = core.wake_group_bytes
+    core.set_wake_group_bytes(group_bytes if groups else 0)
+    try:
+        _gpu_row(ctx, core, layer, n, size, specs, total, h2d, d2h, off, key_off)
+    finally:
+        core.set_wake_group_bytes(group_bytes)
+
+
+def _gpu_row(ctx: Context, core: Any, layer: str, n: int, size: int, specs: Any, total: int, h2d: float,
+             d2h: float, off: str, key_off: str) -> None:
+    from ..allocator import CuMemAllocator
+
     before = len(core.allocations())
     wl: TorchWorkload
     if layer == "core":
@@ -98,7 +120,7 @@ def _row(ctx: Context, layer: str, n: int, size: int, h2d: float, d2h: float) ->
             ctx.res.skipped(f"{n} allocations, core Allocator", f"no torch view of a core allocation: {e}")
             return
         sleep, wake = (lambda: core.sleep(WEIGHTS_TAG)), core.wake_up
-        label, extra = f"{n} x {fmt_bytes(size)}, core Allocator", ""
+        label, extra = f"{n} x {fmt_bytes(size)}, core Allocator{off}", ""
     else:
         cumem = CuMemAllocator.get_instance()
         wl = TorchWorkload(specs, device=ctx.device)
@@ -111,7 +133,7 @@ def _row(ctx: Context, layer: str, n: int, size: int, h2d: float, d2h: float) ->
         wl.fill(WEIGHTS_TAG)
         subject = TensorSubject(wl)
         subject.remember()
-        _cycles(ctx, core, f"alloc_count_{layer}_{n}", label, subject, sleep, wake, total, h2d, d2h, extra, n,
+        _cycles(ctx, core, f"alloc_count_{layer}_{n}{key_off}", label, subject, sleep, wake, total, h2d, d2h, extra, n,
                 layer == "core")
     finally:
         release_tensors(ctx, wl)
