@@ -240,6 +240,9 @@ def test_selective_wake_per_tag_across_devices(multi):
 
 
 def test_freeing_asleep_allocations_on_several_devices(multi):
+    # On CUDA the process-wide allocator may hold allocations of earlier tests (a torch pool's cached segment):
+    # asleep after the sleep below, back after the wake.
+    base = {d: multi.usage(d) for d in range(multi.device_count())}
     lay = _Layout(multi)
     lay.fill()
     multi.sleep("weights")
@@ -251,7 +254,7 @@ def test_freeing_asleep_allocations_on_several_devices(multi):
     assert set(left) == {lay.addr[d, "kv_cache"] for d in lay.devices}
     multi.wake_up()
     for d in lay.devices:
-        assert multi.usage(d) == lay.mapped(d, "kv_cache")
+        assert multi.usage(d) == base[d] + lay.mapped(d, "kv_cache")
     with pytest.raises(ValueError):
         multi.malloc(4096, device=multi.device_count())
 

@@ -51,17 +51,19 @@ def run(ctx: Context) -> None:
     layers = ("core", "torch") if ctx.gpu else ("core",)
     ctx.res.section(f"allocation count: {fmt_bytes(TOTAL_BYTES // ctx.scale)} in allocations of one size, steady "
                     "(retained backups off)")
-    for layer in layers:
-        for n in counts:
-            # One size per row, a multiple of the granularity; the copy limit is measured over the same total.
-            size = max(gran, (TOTAL_BYTES // ctx.scale // n) // gran * gran)
-            h2d, d2h = limit(ctx, n * size, key=f"_{(n * size) >> 20}mib")
-            _row(ctx, layer, n, size, h2d, d2h)
-    # The same largest count with wake groups off: what grouping neighbours on one handle buys, in this run.
-    n = max(counts)
-    size = max(gran, (TOTAL_BYTES // ctx.scale // n) // gran * gran)
-    h2d, d2h = limit(ctx, n * size, key=f"_{(n * size) >> 20}mib")
-    _row(ctx, "core", n, size, h2d, d2h, groups=False)
+    def size_of(n: int) -> int:
+        # One size per row, a multiple of the granularity; the copy limit is measured over the same total.
+        return max(gran, (TOTAL_BYTES // ctx.scale // n) // gran * gran)
+
+    rows = [("core", n, True) for n in counts]
+    # The largest count once more with wake groups off (what grouping neighbours on one handle buys, in this
+    # run), before the torch rows: their pool keeps segments cached that a later sleep would move too.
+    rows.append(("core", max(counts), False))
+    rows += [(layer, n, True) for layer in layers[1:] for n in counts]
+    for layer, n, groups in rows:
+        size = size_of(n)
+        h2d, d2h = limit(ctx, n * size, key=f"_{(n * size) >> 20}mib")
+        _row(ctx, layer, n, size, h2d, d2h, groups)
     if not ctx.gpu:
         ctx.res.skipped("allocation count via CuMemAllocator (torch tensors)", "no GPU")
 
