@@ -271,3 +271,30 @@ def test_env_sets_the_initial_group_size():
     env = dict(os.environ, CUMEM_RS_WAKE_GROUP_BYTES="0")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == "0", out.stderr
+
+
+@pytest.mark.parametrize("group_units", [8, 0])
+def test_neighbours_go_out_and_back_as_one_copy(sim, group_units):
+    """Backups of neighbours in one reservation are copied out as one copy per cell, and a woken run whose
+    backups lie back to back comes back as one copy (one per allocation without groups)."""
+    a = sim
+    g = a.granularity(0)
+    a.set_wake_group_bytes(group_units * g)
+    a.set_retain_backups(False)
+    addrs, data = make(a, "weights", 8)
+    calls = lambda op: a.driver_counts()["calls"][op]  # noqa: E731
+    d2h = calls("copy_d2h")
+    a.sleep("weights")
+    assert calls("copy_d2h") - d2h == 1, "eight neighbours in one cell were not copied out as one copy"
+    h2d = calls("copy_h2d")
+    a.wake_up()
+    assert calls("copy_h2d") - h2d == (1 if group_units else 8)
+    check(a, data)
+    # A hole breaks the run: two copies out.
+    a.free(addrs[3])
+    del data[addrs[3]]
+    d2h = calls("copy_d2h")
+    a.sleep("weights")
+    assert calls("copy_d2h") - d2h == 2
+    a.wake_up()
+    check(a, data)

@@ -21,6 +21,9 @@ pub struct Job {
     pub addr: DevPtr,
     pub size: usize,
     pub offset: usize,
+    /// Its device range continues the previous job's in one reservation (same device): a copy may span both,
+    /// so neighbours go out as one copy instead of one each (the driver's per-copy cost adds up at thousands).
+    pub joins_previous: bool,
 }
 
 /// Lay `(device, addr, size)` allocations out back to back; returns the jobs and the arena size they need.
@@ -34,6 +37,7 @@ pub fn layout(allocs: impl IntoIterator<Item = (i32, DevPtr, usize)>) -> (Vec<Jo
                 addr,
                 size,
                 offset,
+                joins_previous: false,
             };
             offset += size;
             j
@@ -149,7 +153,18 @@ fn issue_cell(
 ) -> Result<IssuedCell> {
     let mut devices: Vec<i32> = Vec::new();
     let mut ops = 0;
-    for &(j, from, to) in pieces {
+    let mut i = 0;
+    while i < pieces.len() {
+        let (j, from, mut to) = pieces[i];
+        // Pieces of neighbouring jobs that continue each other on the device and in the arena: one copy.
+        while let Some(&(next, next_from, next_to)) = pieces.get(i + 1) {
+            if next != pieces[i].0 + 1 || !jobs[next].joins_previous || next_from != to {
+                break;
+            }
+            to = next_to;
+            i += 1;
+        }
+        i += 1;
         let job = jobs[j];
         ops += arena.queue_from_device(
             job.device,

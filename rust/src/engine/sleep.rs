@@ -65,10 +65,16 @@ impl Engine {
 
         // 1. The host arena for the backups made now (the only step that may still return early: nothing is
         //    queued yet).
-        let (jobs, total) = transfer::layout(backed.iter().map(|a| {
+        let (mut jobs, total) = transfer::layout(backed.iter().map(|a| {
             let a = inner.reg.get(*a).expect("selected");
             (a.device, a.addr, a.size)
         }));
+        for i in 1..jobs.len() {
+            let (prev, j) = (jobs[i - 1], jobs[i]);
+            jobs[i].joins_previous = prev.device == j.device
+                && prev.addr + prev.size as u64 == j.addr
+                && inner.vas.same_slab(prev.addr, j.addr);
+        }
         let mut cold = false;
         let mut buf = None;
         if total > 0 {

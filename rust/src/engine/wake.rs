@@ -1,5 +1,6 @@
 //! Wake: map new physical memory at the same addresses and restore the backups; all or nothing.
 
+use std::sync::Arc;
 use std::time::Instant;
 
 use super::group::Mapped;
@@ -55,9 +56,7 @@ impl Engine {
                 // quarter of the copy time.
                 for run in &backed_runs {
                     mapped.push(self.map_run(&mut inner, run)?);
-                    for addr in run {
-                        self.restore(&inner, *addr, &mut report)?;
-                    }
+                    self.restore(&inner, run, &mut report)?;
                 }
             } else {
                 // Several devices: map every device first. Maps on one device wait for copies queued on another
@@ -65,8 +64,8 @@ impl Engine {
                 for run in &backed_runs {
                     mapped.push(self.map_run(&mut inner, run)?);
                 }
-                for addr in &targets[..backed] {
-                    self.restore(&inner, *addr, &mut report)?;
+                for run in &backed_runs {
+                    self.restore(&inner, run, &mut report)?;
                 }
             }
             for run in &bare_runs {
@@ -120,13 +119,30 @@ impl Engine {
         }
     }
 
-    /// Queue the copy of one mapped allocation's backup back to it.
-    fn restore(&self, inner: &Inner, addr: DevPtr, report: &mut Report) -> Result<()> {
-        let a = inner.reg.get(addr).expect("selected");
-        let b = Self::backup_of(inner, addr).expect("sorted first");
-        b.arena
-            .queue_to_device(a.device, a.addr, b.offset, a.size)?;
-        report.copied_bytes += a.size;
+    /// Queue the copies of a mapped run's backups back to it. Members whose backups lie back to back in one
+    /// arena go back as one copy (a run is contiguous on the device): at thousands of small allocations the
+    /// driver's per-copy cost would otherwise show.
+    fn restore(&self, inner: &Inner, run: &[DevPtr], report: &mut Report) -> Result<()> {
+        // (arena, device, device start, arena offset, length) of the copy being extended.
+        let mut span: Option<(&Backup, i32, DevPtr, usize, usize)> = None;
+        for addr in run {
+            let a = inner.reg.get(*addr).expect("selected");
+            let b = Self::backup_of(inner, *addr).expect("sorted first");
+            report.copied_bytes += a.size;
+            if let Some((sb, _, _, off, len)) = &mut span {
+                if Arc::ptr_eq(&sb.arena, &b.arena) && *off + *len == b.offset {
+                    *len += a.size;
+                    continue;
+                }
+            }
+            if let Some((sb, device, start, off, len)) = span.take() {
+                sb.arena.queue_to_device(device, start, off, len)?;
+            }
+            span = Some((b, a.device, a.addr, b.offset, a.size));
+        }
+        if let Some((sb, device, start, off, len)) = span {
+            sb.arena.queue_to_device(device, start, off, len)?;
+        }
         Ok(())
     }
 
