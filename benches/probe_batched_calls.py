@@ -40,14 +40,12 @@ def main() -> None:
     base = raw.reserve(count * size)
     ptrs = [base + i * size for i in range(count)]
     handles = [0] * count
-    h = ctypes.c_uint64()
 
     def create(i: int) -> None:
-        raw._check(lib.cuMemCreate(ctypes.byref(h), size, ctypes.byref(raw.prop), 0), "cuMemCreate")
-        handles[i] = h.value
+        handles[i] = raw.create(size)
 
     def map_(i: int) -> None:
-        raw._check(lib.cuMemMap(ptrs[i], size, 0, handles[i], 0), "cuMemMap")
+        raw.map(ptrs[i], size, handles[i])
 
     def release(i: int) -> None:
         raw._check(lib.cuMemRelease(handles[i]), "cuMemRelease")

@@ -365,8 +365,8 @@ fn steady_sleep_of_many_allocations_releases_while_issuing_and_survives_a_failed
         let (sim, e) = engine(1, (2 * N + 8) * GRAN);
         e.set_retain_backups(false).unwrap(); // every sleep copies: the path under test
         e.set_pin_chunk(10 * GRAN).unwrap(); // 70 cells of 10 copies: the window drains cells while issuing
-        // A spacer of another tag after each allocation: neighbours would be copied out together (one copy per
-        // cell), and the window under test needs one copy per allocation.
+                                             // A spacer of another tag after each allocation: neighbours would be copied out together (one copy per
+                                             // cell), and the window under test needs one copy per allocation.
         let mut addrs = Vec::new();
         for _ in 0..N {
             e.push_tag("weights").unwrap();
@@ -386,7 +386,12 @@ fn steady_sleep_of_many_allocations_releases_while_issuing_and_survives_a_failed
                 "the injected copy fault is reported"
             );
             sim.clear_faults();
-            for a in e.allocations().unwrap().iter().filter(|a| a.tag == "weights") {
+            for a in e
+                .allocations()
+                .unwrap()
+                .iter()
+                .filter(|a| a.tag == "weights")
+            {
                 assert!(
                     !a.asleep || a.backed_up,
                     "{:#x} asleep without a backup",

@@ -161,6 +161,40 @@ fn a_free_that_fails_half_way_leaves_no_live_allocation_when_the_caller_forgets_
     assert_no_leaks(&sim);
 }
 
+/// The same for members of a wake group (neighbours sharing one handle after a wake): a failed synchronize of
+/// a member that is not the last, then a failed unmap of the group at its last member, each leave nothing live;
+/// the group's release is queued, retried, and nothing leaks.
+#[test]
+fn a_group_member_free_that_fails_leaves_no_live_allocation_when_the_caller_forgets_it() {
+    let (sim, e) = engine(1, 16 << 20);
+    e.push_tag("weights").unwrap();
+    let addrs: Vec<u64> = (0..3).map(|_| e.malloc(GRAN, 0, 0).unwrap()).collect();
+    e.pop_tag().unwrap();
+    for (i, a) in addrs.iter().enumerate() {
+        e.write(*a, &pattern(i as u8, GRAN)).unwrap();
+    }
+    e.sleep(&["weights"]).unwrap();
+    e.wake(NONE).unwrap();
+    assert_eq!(e.stats().wake_groups, 1);
+    sim.inject_fault(Op::Synchronize, 1, 999).unwrap();
+    e.free_or_queue(addrs[0]).unwrap();
+    assert_eq!(e.stats().unreturned_bytes, GRAN, "its memory stays with the group");
+    e.free(addrs[1]).unwrap();
+    assert_eq!(e.read(addrs[2], GRAN).unwrap(), pattern(2, GRAN));
+    sim.inject_fault(Op::Unmap, 1, 999).unwrap();
+    assert!(e.free(addrs[2]).is_err(), "Engine::free raises and keeps it live");
+    assert_eq!(e.allocations().unwrap().len(), 1);
+    sim.inject_fault(Op::Unmap, 1, 999).unwrap();
+    e.free_or_queue(addrs[2]).unwrap();
+    assert!(e.allocations().unwrap().is_empty());
+    let s = e.stats();
+    assert_eq!((s.wake_groups, s.unreturned_bytes), (0, 0));
+    assert_eq!(s.pending_releases, 3, "unmap, release and address return of the group");
+    assert!(e.errors().iter().any(|m| m.contains("synchronize")));
+    e.close().unwrap();
+    assert_no_leaks(&sim);
+}
+
 #[test]
 fn a_fault_too_far_ahead_to_ever_fire_is_refused() {
     let (sim, e) = engine(1, 16 << 20);

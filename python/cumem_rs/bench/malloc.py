@@ -87,12 +87,22 @@ class RawDriver:
         self._check(self.lib.cuMemAddressReserve(ctypes.byref(p), size, 0, 0, 0), "cuMemAddressReserve")
         return p.value
 
-    def create_map(self, ptr: int, size: int) -> int:
+    def create(self, size: int) -> int:
         h = ctypes.c_uint64()
         self._check(self.lib.cuMemCreate(ctypes.byref(h), size, ctypes.byref(self.prop), 0), "cuMemCreate")
-        self._check(self.lib.cuMemMap(ptr, size, 0, h.value, 0), "cuMemMap")
-        self._check(self.lib.cuMemSetAccess(ptr, size, ctypes.byref(self.access), 1), "cuMemSetAccess")
         return h.value
+
+    def map(self, ptr: int, size: int, handle: int) -> None:
+        self._check(self.lib.cuMemMap(ptr, size, 0, handle, 0), "cuMemMap")
+
+    def set_access(self, ptr: int, size: int) -> None:
+        self._check(self.lib.cuMemSetAccess(ptr, size, ctypes.byref(self.access), 1), "cuMemSetAccess")
+
+    def create_map(self, ptr: int, size: int) -> int:
+        h = self.create(size)
+        self.map(ptr, size, h)
+        self.set_access(ptr, size)
+        return h
 
     def unmap_release(self, ptr: int, size: int, handle: int) -> None:
         self._check(self.lib.cuMemUnmap(ptr, size), "cuMemUnmap")

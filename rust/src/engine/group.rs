@@ -252,6 +252,11 @@ impl Engine {
             g.live -= 1;
             g.freed.push((addr, size));
             inner.groups.unreturned += size;
+            Self::record(
+                inner,
+                &format!("free {addr:#x} (freed anyway; its memory goes with its wake group)"),
+                e,
+            );
             return;
         }
         let g = inner.groups.by_id.remove(&id).expect("live group");

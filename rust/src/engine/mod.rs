@@ -333,45 +333,34 @@ impl Engine {
             .get(addr)
             .ok_or(Error::UnknownAddress(addr))?
             .clone();
+        // Asleep: nothing is mapped. A group member's addresses go back with its group.
         let mut return_address = true;
-        match a.state {
-            State::Awake {
-                backing: Backing::Own(handle),
-            } => {
-                // The caller's work on this memory must be finished before it is unmapped (a no-op during capture).
-                let done = self
-                    .driver
-                    .synchronize(a.device, a.stream)
-                    .and_then(|()| self.driver.unmap(a.addr, a.size));
-                match done {
-                    Ok(()) => self.release_or_queue(inner, handle),
-                    Err(e) if !queue_failures => return Err(e),
-                    Err(e) => {
-                        Self::record(
-                            inner,
-                            &format!("free {addr:#x} (its unmap, release and address free are queued for retry)"),
-                            &e,
-                        );
-                        self.queue_release(inner, a.addr, a.size, handle);
-                        return_address = false;
-                    }
+        if let State::Awake { backing } = a.state {
+            // The caller's work on this memory must be finished before it is unmapped (a no-op during capture).
+            let done = self
+                .driver
+                .synchronize(a.device, a.stream)
+                .and_then(|()| match backing {
+                    Backing::Own(_) => self.driver.unmap(a.addr, a.size),
+                    Backing::Group(id) => self.free_member(inner, id, a.addr, a.size),
+                });
+            return_address = matches!((&done, backing), (Ok(()), Backing::Own(_)));
+            match (done, backing) {
+                (Ok(()), Backing::Own(handle)) => self.release_or_queue(inner, handle),
+                (Ok(()), Backing::Group(_)) => {}
+                (Err(e), _) if !queue_failures => return Err(e),
+                (Err(e), Backing::Own(handle)) => {
+                    Self::record(
+                        inner,
+                        &format!("free {addr:#x} (its unmap, release and address free are queued for retry)"),
+                        &e,
+                    );
+                    self.queue_release(inner, a.addr, a.size, handle);
+                }
+                (Err(e), Backing::Group(id)) => {
+                    self.drop_member_queued(inner, id, a.addr, a.size, &e)
                 }
             }
-            State::Awake {
-                backing: Backing::Group(id),
-            } => {
-                let done = self
-                    .driver
-                    .synchronize(a.device, a.stream)
-                    .and_then(|()| self.free_member(inner, id, a.addr, a.size));
-                match done {
-                    Ok(()) => {}
-                    Err(e) if !queue_failures => return Err(e),
-                    Err(e) => self.drop_member_queued(inner, id, a.addr, a.size, &e),
-                }
-                return_address = false; // the group returns its members' addresses
-            }
-            State::Asleep { .. } => {}
         }
         inner.reg.remove(addr);
         Self::drop_retained(inner, &[addr]);
