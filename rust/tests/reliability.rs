@@ -178,19 +178,65 @@ fn a_group_member_free_that_fails_leaves_no_live_allocation_when_the_caller_forg
     assert_eq!(e.stats().wake_groups, 1);
     sim.inject_fault(Op::Synchronize, 1, 999).unwrap();
     e.free_or_queue(addrs[0]).unwrap();
-    assert_eq!(e.stats().unreturned_bytes, GRAN, "its memory stays with the group");
+    assert_eq!(
+        e.stats().unreturned_bytes,
+        GRAN,
+        "its memory stays with the group"
+    );
     e.free(addrs[1]).unwrap();
     assert_eq!(e.read(addrs[2], GRAN).unwrap(), pattern(2, GRAN));
     sim.inject_fault(Op::Unmap, 1, 999).unwrap();
-    assert!(e.free(addrs[2]).is_err(), "Engine::free raises and keeps it live");
+    assert!(
+        e.free(addrs[2]).is_err(),
+        "Engine::free raises and keeps it live"
+    );
     assert_eq!(e.allocations().unwrap().len(), 1);
     sim.inject_fault(Op::Unmap, 1, 999).unwrap();
     e.free_or_queue(addrs[2]).unwrap();
     assert!(e.allocations().unwrap().is_empty());
     let s = e.stats();
     assert_eq!((s.wake_groups, s.unreturned_bytes), (0, 0));
-    assert_eq!(s.pending_releases, 3, "unmap, release and address return of the group");
+    assert_eq!(
+        s.pending_releases, 3,
+        "unmap, release and address return of the group"
+    );
     assert!(e.errors().iter().any(|m| m.contains("synchronize")));
+    e.close().unwrap();
+    assert_no_leaks(&sim);
+}
+
+/// Addresses whose unmap is still queued are not handed out again: a malloc that fails (set access refused, and
+/// the undo's unmap refused too), or the free of an asleep allocation left mapped by a failed wake, must not let
+/// the next malloc land on the still-mapped range (its map would fail with "already mapped").
+#[test]
+fn addresses_with_a_queued_unmap_are_not_handed_out_again() {
+    let (sim, e) = engine(1, 16 << 20);
+    let keep = e.malloc(GRAN, 0, 0).unwrap(); // keeps the shared reservation alive
+    sim.inject_fault(Op::SetAccess, 1, 999).unwrap();
+    sim.inject_fault(Op::Unmap, 1, 999).unwrap();
+    assert!(e.malloc(GRAN, 0, 0).is_err());
+    sim.inject_fault(Op::Unmap, 1, 999).unwrap(); // the retry at the next call is refused again
+    let b = e.malloc(GRAN, 0, 0).expect("address space is plentiful");
+
+    e.push_tag("w").unwrap();
+    let a = e.malloc(GRAN, 0, 0).unwrap();
+    e.pop_tag().unwrap();
+    e.pause(Some(&["w"])).unwrap();
+    sim.inject_fault(Op::SetAccess, 1, 999).unwrap();
+    sim.inject_fault(Op::Unmap, 1, 999).unwrap();
+    assert!(e.wake(Some(&["w"])).is_err());
+    sim.inject_fault(Op::Unmap, 1, 999).unwrap(); // retried at the free: still refused
+    e.free(a).unwrap();
+    sim.inject_fault(Op::Unmap, 1, 999).unwrap(); // and at the next malloc
+    let c = e.malloc(GRAN, 0, 0).expect("address space is plentiful");
+    for p in [keep, b, c] {
+        e.free(p).unwrap();
+    }
+    assert_eq!(
+        e.stats().pending_releases,
+        0,
+        "the queued releases were retried"
+    );
     e.close().unwrap();
     assert_no_leaks(&sim);
 }

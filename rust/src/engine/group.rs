@@ -11,7 +11,8 @@
 //! while its neighbours live keeps its memory (and its addresses) until the last member of the group is freed
 //! or the group sleeps; `Stats::unreturned_bytes` shows how much that is. Groups are capped at
 //! `DEFAULT_GROUP_BYTES` (and can be turned off with `set_wake_group_bytes(0)`), so at most one group's worth
-//! minus one member is held per partly freed group. Remapping the surviving members to return the memory at once
+//! minus one member is held per partly freed group; across groups there is no bound (a pool that frees all but
+//! one 2 MiB member of every group holds 16x its live bytes until the next sleep). Remapping the surviving members to return the memory at once
 //! is not done: it would move live memory other streams may be using. Every member has one tag, so sleep,
 //! discard and pause, which select by tag, always release a group whole.
 

@@ -55,7 +55,12 @@ impl Engine {
     }
 
     /// Give [addr, addr+size) back to the address space; a slab it empties is freed (or queued for retry).
+    /// While an unmap of any of it is still queued the addresses are not free: the return is queued behind it.
     pub(super) fn return_address(&self, inner: &mut Inner, addr: DevPtr, size: usize) {
+        if still_mapped(&inner.pending, addr, size) {
+            inner.pending.push(Pending::ReturnAddress { addr, size });
+            return;
+        }
         if let Some((base, slab_size)) = inner.vas.free(addr, size) {
             self.free_range_or_queue(inner, base, slab_size);
         }
@@ -91,15 +96,10 @@ impl Engine {
         });
         for p in queued {
             let r = match p {
-                // Addresses still mapped must not be handed out again.
-                Pending::ReturnAddress { addr, size }
-                    if still_mapped(&inner.pending, addr, size) =>
-                {
-                    Err(crate::error::Error::InvalidState("still mapped".into()))
-                }
                 Pending::Unmap { addr, size } => self.driver.unmap(addr, size),
                 Pending::Release(h) => self.driver.release(h),
                 Pending::ReturnAddress { addr, size } => {
+                    // Queued again if its unmap failed again above (unmaps are retried first).
                     self.return_address(inner, addr, size);
                     Ok(())
                 }

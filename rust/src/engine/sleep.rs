@@ -247,15 +247,19 @@ impl Engine {
         self.synchronize_devices(&inner, &targets)?;
         let mut report = Report::default();
         let mut first_err = None;
-        for addr in targets {
-            match self.release_to_sleep(&mut inner, addr, None, &mut report) {
-                Ok(()) => Self::drop_retained(&mut inner, &[addr]),
-                Err(e) => {
-                    first_err.get_or_insert(e);
-                }
+        for addr in &targets {
+            if let Err(e) = self.release_to_sleep(&mut inner, *addr, None, &mut report) {
+                first_err.get_or_insert(e);
             }
         }
         Self::abandon_incomplete_groups(&mut inner);
+        // Only what really went to sleep loses its retained backup (a group member whose group stayed mapped
+        // after a failure is still awake with its data).
+        let released: Vec<DevPtr> = targets
+            .into_iter()
+            .filter(|a| !inner.reg.get(*a).expect("selected").is_awake())
+            .collect();
+        Self::drop_retained(&mut inner, &released);
         self.collect_unused_arenas(&mut inner);
         report.seconds = start.elapsed().as_secs_f64();
         first_err.map_or(Ok(report), Err)
