@@ -268,9 +268,10 @@ def test_env_sets_the_initial_group_size():
         "import cumem_rs; a = cumem_rs.Allocator.simulated(devices=1, capacity=1 << 26, granularity=1 << 16);"
         "print(a.wake_group_bytes)"
     )
-    env = dict(os.environ, CUMEM_RS_WAKE_GROUP_BYTES="0")
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
-    assert out.stdout.strip() == "0", out.stderr
+    for value, want in (("0", 0), ("8M", 8 << 20), ("4194304", 4 << 20)):
+        env = dict(os.environ, CUMEM_RS_WAKE_GROUP_BYTES=value)
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+        assert out.stdout.strip() == str(want), (value, out.stderr)
 
 
 @pytest.mark.parametrize("group_units", [8, 0])

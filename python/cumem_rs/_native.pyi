@@ -168,10 +168,10 @@ class Allocator:
     def set_fingerprint_chunk(self, nbytes: int) -> None:
         """Bytes per fingerprinted chunk (positive multiple of 16; default 2 MiB). A change drops retained backups."""
     def set_wake_group_bytes(self, nbytes: int) -> None:
-        """Largest run of neighbouring allocations of one tag that a wake maps on one shared physical handle (default
-        32 MiB; env CUMEM_RS_WAKE_GROUP_BYTES). Fewer driver calls at thousands of small allocations; the memory of a
-        member freed while its neighbours live comes back when the last of them is freed or sleeps
-        (`stats()["unreturned_bytes"]`). 0: every allocation on its own handle."""
+        """Largest run of neighbouring allocations of one tag that a wake maps on one shared physical handle
+        (default 32 MiB; env CUMEM_RS_WAKE_GROUP_BYTES, K/M/G suffixes). Fewer driver calls at thousands of small
+        allocations; the memory of a member freed while its neighbours live comes back when the last of them is
+        freed or sleeps (`stats()["unreturned_bytes"]`). 0: every allocation on its own handle."""
     @property
     def wake_group_bytes(self) -> int:
         """The current wake-group limit in bytes (see `set_wake_group_bytes`)."""

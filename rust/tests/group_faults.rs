@@ -43,7 +43,12 @@ fn scenario(e: &Engine, x: &mut Expected) -> Result<(), Error> {
     made?;
     let other = e.malloc(GRAN, 0, 0)?;
     for (i, a) in addrs.iter().enumerate() {
-        write(e, x, *a, pattern(i as u8, if i == 2 { 2 * GRAN } else { GRAN }))?;
+        write(
+            e,
+            x,
+            *a,
+            pattern(i as u8, if i == 2 { 2 * GRAN } else { GRAN }),
+        )?;
     }
     e.sleep(&["weights"])?;
     e.wake(NONE)?; // forms the groups
@@ -80,7 +85,11 @@ fn check(e: &Engine, x: &Expected, what: &str) {
         } else {
             e.read(*a, want.len()).unwrap()
         };
-        assert!(&held == want, "{what}: {a:#x} (asleep: {}) lost its data", info.asleep);
+        assert!(
+            &held == want,
+            "{what}: {a:#x} (asleep: {}) lost its data",
+            info.asleep
+        );
     }
 }
 
@@ -88,7 +97,10 @@ fn check(e: &Engine, x: &Expected, what: &str) {
 fn every_single_fault_of_a_scenario_with_wake_groups_leaves_data_and_driver_consistent() {
     let (sim, e) = engine(2, 64 << 20);
     scenario(&e, &mut Expected::new()).unwrap();
-    assert!(e.stats().wake_groups >= 1, "the scenario ends with a wake group");
+    assert!(
+        e.stats().wake_groups >= 1,
+        "the scenario ends with a wake group"
+    );
     let calls = sim.counts().calls;
     drop(e);
     let mut positions = 0;
@@ -107,11 +119,17 @@ fn every_single_fault_of_a_scenario_with_wake_groups_leaves_data_and_driver_cons
                 "{what}: the failure vanished"
             );
             let mapped = e.usage(None).unwrap() + e.stats().unreturned_bytes;
-            assert_eq!(mapped, sim.counts().mapped_bytes, "{what}: registry and driver disagree");
+            assert_eq!(
+                mapped,
+                sim.counts().mapped_bytes,
+                "{what}: registry and driver disagree"
+            );
             check(&e, &x, &what);
-            e.wake(NONE).unwrap_or_else(|err| panic!("{what}: wake after: {err}"));
+            e.wake(NONE)
+                .unwrap_or_else(|err| panic!("{what}: wake after: {err}"));
             check(&e, &x, &format!("{what}, after a wake"));
-            e.close().unwrap_or_else(|err| panic!("{what}: close: {err}"));
+            e.close()
+                .unwrap_or_else(|err| panic!("{what}: close: {err}"));
             assert_no_leaks(&sim);
             positions += 1;
         }

@@ -27,11 +27,12 @@ use crate::registry::{Backing, Backup, State};
 /// enough for their wake and sleep to run at the copy limit) while a partly freed group holds little.
 pub const DEFAULT_GROUP_BYTES: usize = 32 << 20;
 
-/// The group limit a new engine starts with: `CUMEM_RS_WAKE_GROUP_BYTES` (0 turns groups off), else the default.
+/// The group limit a new engine starts with: `CUMEM_RS_WAKE_GROUP_BYTES` (bytes, `K`/`M`/`G` suffixes; 0 turns
+/// groups off), else the default.
 pub(super) fn initial_group_bytes() -> usize {
     match std::env::var("CUMEM_RS_WAKE_GROUP_BYTES") {
         Err(_) => DEFAULT_GROUP_BYTES,
-        Ok(v) => v.trim().parse().unwrap_or_else(|_| {
+        Ok(v) => crate::host_guard::parse_size(&v).unwrap_or_else(|| {
             log::warn!(
                 "CUMEM_RS_WAKE_GROUP_BYTES={v:?} is not a byte count; using {DEFAULT_GROUP_BYTES}"
             );
