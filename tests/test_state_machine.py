@@ -92,6 +92,7 @@ class AllocatorMachine(RuleBasedStateMachine):
         tags = set(TAGS) | {r.tag for r in self.model.values()}
         self.policies: dict[str, dict] = {t: self.a.tag_policy(t) for t in tags}
         self.found_policies = {t: self.policies[t] for t in TAGS}
+        self.found_group_bytes = self.a.wake_group_bytes
 
     # --- plumbing ---------------------------------------------------------------------------------------------
 
@@ -334,6 +335,11 @@ class AllocatorMachine(RuleBasedStateMachine):
         self.a.set_tag_policy(tag, backup, wake_fill)
         self.policies[tag] = {"backup": backup, "wake_fill": wake_fill}
 
+    @rule(units=st.sampled_from([0, 1, 2, 4, 16]))
+    def set_wake_group_bytes(self, units):
+        # Later wakes group neighbours differently (0: no groups); contents and accounting must not care.
+        self.a.set_wake_group_bytes(units * self.gran[0])
+
     @rule(tags=st.one_of(st.none(), st.sampled_from(TAGS), tag_sets))
     def wake_up(self, tags):
         self._wake("wake_up", self.a.wake_up, tags)
@@ -430,8 +436,10 @@ class AllocatorMachine(RuleBasedStateMachine):
             mapped = live_counts(self.a)["mapped_bytes"]
             unreturned = self.a.stats()["unreturned_bytes"]
             assert mapped == total + unreturned, f"driver maps {mapped} bytes, registry says {total} + {unreturned}"
+        s = self.a.stats()
         if total == 0:
-            assert self.a.stats()["unreturned_bytes"] == 0, "a wake group outlived its last awake member"
+            assert s["unreturned_bytes"] == 0, "a wake group outlived its last awake member"
+        assert s["unreturned_bytes"] == 0 or s["wake_groups"] > 0, s
 
     @invariant()
     def status_matches_model(self):
@@ -486,6 +494,7 @@ class AllocatorMachine(RuleBasedStateMachine):
             try:
                 if not self.a.closed:
                     self.a.set_fingerprint_chunk(2 << 20)
+                    self.a.set_wake_group_bytes(self.found_group_bytes)
                     for tag, p in self.found_policies.items():
                         self.a.set_tag_policy(tag, p["backup"], p["wake_fill"])
             finally:
