@@ -137,6 +137,12 @@ impl AddressSpace {
             .is_some_and(|s| Some(s) == self.slab_base(b))
     }
 
+    /// Whether `next` starts where [prev, prev+prev_size) ends, in the same reservation (so on the same device):
+    /// one mapping, or one copy, may cover both.
+    pub fn continues(&self, prev: DevPtr, prev_size: usize, next: DevPtr) -> bool {
+        prev + prev_size as u64 == next && self.same_slab(prev, next)
+    }
+
     /// How many slabs are reserved.
     pub fn slabs(&self) -> usize {
         self.slabs.len()

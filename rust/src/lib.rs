@@ -1,7 +1,8 @@
 //! cumem_rs: a CUDA virtual-memory allocator for PyTorch that can put GPU memory to sleep (back up or discard,
 //! release the physical memory, keep the addresses) and wake it up at the same addresses.
 //!
-//! Layers, arrows one way: `python`/`ffi` -> `engine` -> `registry` + `address_space` + `host` -> `driver` (cuda | sim).
+//! Layers, arrows one way: `python`/`ffi` -> `engine` -> `registry` + `address_space` + `host` -> `driver`
+//! (cuda | sim).
 
 pub mod address_space;
 pub mod driver;

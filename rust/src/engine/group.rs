@@ -12,9 +12,9 @@
 //! or the group sleeps; `Stats::unreturned_bytes` shows how much that is. Groups are capped at
 //! `DEFAULT_GROUP_BYTES` (and can be turned off with `set_wake_group_bytes(0)`), so at most one group's worth
 //! minus one member is held per partly freed group; across groups there is no bound (a pool that frees all but
-//! one 2 MiB member of every group holds 16x its live bytes until the next sleep). Remapping the surviving members to return the memory at once
-//! is not done: it would move live memory other streams may be using. Every member has one tag, so sleep,
-//! discard and pause, which select by tag, always release a group whole.
+//! one 2 MiB member of every group holds 16x its live bytes until the next sleep). Remapping the surviving
+//! members to return the memory at once is not done: it would move live memory other streams may be using.
+//! Every member has one tag, so sleep, discard and pause, which select by tag, always release a group whole.
 
 use std::collections::HashMap;
 
@@ -58,8 +58,6 @@ pub(super) struct Group {
 pub(super) struct Groups {
     next: u64,
     by_id: HashMap<u64, Group>,
-    /// Bytes of freed members still held by live groups.
-    pub unreturned: usize,
 }
 
 impl Groups {
@@ -71,6 +69,27 @@ impl Groups {
 
     pub fn len(&self) -> usize {
         self.by_id.len()
+    }
+
+    /// Bytes of freed members still held by live groups.
+    pub fn unreturned(&self) -> usize {
+        self.by_id
+            .values()
+            .flat_map(|g| &g.freed)
+            .map(|(_, n)| n)
+            .sum()
+    }
+
+    /// A freed member leaves its group while others live (its memory stays with the group): true. The last
+    /// live member does not leave (false): the caller dissolves the group.
+    fn leave(&mut self, id: u64, addr: DevPtr, size: usize) -> bool {
+        let g = self.by_id.get_mut(&id).expect("live group");
+        if g.live == 1 {
+            return false;
+        }
+        g.live -= 1;
+        g.freed.push((addr, size));
+        true
     }
 }
 
@@ -108,11 +127,9 @@ impl Engine {
                     .reg
                     .get(*run.last().expect("non-empty"))
                     .expect("selected");
-                last.end() == a.addr
-                    && last.device == a.device
+                inner.vas.continues(last.addr, last.size, a.addr)
                     && last.tag == a.tag
                     && run_bytes + a.size <= limit
-                    && inner.vas.same_slab(last.addr, a.addr)
             });
             if joins {
                 runs.last_mut().expect("joins").push(addr);
@@ -180,18 +197,11 @@ impl Engine {
         if g.ready.len() < g.live {
             return Ok(());
         }
-        let (gaddr, gsize, handle) = (g.addr, g.size, g.handle);
-        if let Err(e) = self.driver.unmap(gaddr, gsize) {
+        if let Err(e) = self.driver.unmap(g.addr, g.size) {
             g.ready.clear();
             return Err(e);
         }
-        let g = inner.groups.by_id.remove(&id).expect("live group");
-        self.release_or_queue(inner, handle);
-        for (a, n) in g.freed {
-            inner.groups.unreturned -= n;
-            self.return_address(inner, a, n);
-        }
-        for (a, backup) in g.ready {
+        for (a, backup) in self.dissolve(inner, id) {
             let size = inner.reg.get(a).expect("member").size;
             if backup.is_none() {
                 report.discarded_bytes += size;
@@ -200,6 +210,17 @@ impl Engine {
             inner.reg.set_state(a, State::Asleep { backup });
         }
         Ok(())
+    }
+
+    /// After the group's unmap: forget it, release its handle, give back the addresses of its freed members;
+    /// returns its ready list.
+    fn dissolve(&self, inner: &mut Inner, id: u64) -> Vec<(DevPtr, Option<Backup>)> {
+        let g = inner.groups.by_id.remove(&id).expect("live group");
+        self.release_or_queue(inner, g.handle);
+        for (a, n) in g.freed {
+            self.return_address(inner, a, n);
+        }
+        g.ready
     }
 
     /// End of a sleep or discard: groups left incomplete (a member's backup failed) keep every member awake.
@@ -219,21 +240,12 @@ impl Engine {
         addr: DevPtr,
         size: usize,
     ) -> Result<()> {
-        let g = inner.groups.by_id.get_mut(&id).expect("live group");
-        if g.live > 1 {
-            g.live -= 1;
-            g.freed.push((addr, size));
-            inner.groups.unreturned += size;
+        if inner.groups.leave(id, addr, size) {
             return Ok(());
         }
         let g = inner.groups.by_id.get(&id).expect("live group");
         self.driver.unmap(g.addr, g.size)?;
-        let g = inner.groups.by_id.remove(&id).expect("live group");
-        self.release_or_queue(inner, g.handle);
-        for (a, n) in g.freed {
-            inner.groups.unreturned -= n;
-            self.return_address(inner, a, n);
-        }
+        self.dissolve(inner, id);
         self.return_address(inner, addr, size);
         Ok(())
     }
@@ -249,11 +261,7 @@ impl Engine {
         size: usize,
         e: &Error,
     ) {
-        let g = inner.groups.by_id.get_mut(&id).expect("live group");
-        if g.live > 1 {
-            g.live -= 1;
-            g.freed.push((addr, size));
-            inner.groups.unreturned += size;
+        if inner.groups.leave(id, addr, size) {
             Self::record(
                 inner,
                 &format!("free {addr:#x} (freed anyway; its memory goes with its wake group)"),
@@ -261,10 +269,8 @@ impl Engine {
             );
             return;
         }
+        // Its range covers every member's: the queued return gives back the freed members' addresses too.
         let g = inner.groups.by_id.remove(&id).expect("live group");
-        for (_, n) in &g.freed {
-            inner.groups.unreturned -= n;
-        }
         Self::record(
             inner,
             &format!("free {addr:#x} (its group's unmap, release and address return are queued for retry)"),

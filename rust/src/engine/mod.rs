@@ -474,7 +474,7 @@ impl Engine {
         s.retained_allocations = inner.retained.len();
         s.pending_releases = inner.pending.len();
         s.wake_groups = inner.groups.len();
-        s.unreturned_bytes = inner.groups.unreturned;
+        s.unreturned_bytes = inner.groups.unreturned();
         s
     }
 

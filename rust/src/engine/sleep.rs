@@ -70,10 +70,8 @@ impl Engine {
             (a.device, a.addr, a.size)
         }));
         for i in 1..jobs.len() {
-            let (prev, j) = (jobs[i - 1], jobs[i]);
-            jobs[i].joins_previous = prev.device == j.device
-                && prev.addr + prev.size as u64 == j.addr
-                && inner.vas.same_slab(prev.addr, j.addr);
+            let prev = jobs[i - 1];
+            jobs[i].joins_previous = inner.vas.continues(prev.addr, prev.size, jobs[i].addr);
         }
         let mut cold = false;
         let mut buf = None;
