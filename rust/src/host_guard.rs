@@ -1,10 +1,10 @@
 //! How much host memory a backup may still take, so that a sleep refuses (with an out-of-memory error, before
 //! anything is released) instead of letting the kernel's OOM killer end the process while it pins.
 //!
-//! Available = the smallest of: `MemAvailable` from /proc/meminfo; inside a cgroup (v2 `memory.max` minus
-//! `memory.current`, or v1 `memory.limit_in_bytes` minus `memory.usage_in_bytes`) what the cgroup still allows;
-//! and the cap `CUMEM_RS_HOST_MEMORY_LIMIT` (bytes; `K`, `M`, `G` suffixes) when set. None when nothing can be
-//! read (the guard then does not refuse).
+//! Available = the smaller of: `MemAvailable` from /proc/meminfo; inside a cgroup (v2 `memory.max` minus
+//! `memory.current`, or v1 `memory.limit_in_bytes` minus `memory.usage_in_bytes`) what the cgroup still allows.
+//! None when nothing can be read (the guard then does not refuse). The backup store also applies the cap
+//! `CUMEM_RS_HOST_MEMORY_LIMIT` (bytes; `K`, `M`, `G` suffixes) of the engine's configuration.
 
 use std::fs;
 
@@ -13,15 +13,10 @@ pub const LIMIT_ENV: &str = "CUMEM_RS_HOST_MEMORY_LIMIT";
 
 /// Bytes of host memory that can still be taken now, if known.
 pub fn available() -> Option<usize> {
-    [meminfo_available(), cgroup_available(), env_cap()]
+    [meminfo_available(), cgroup_available()]
         .into_iter()
         .flatten()
         .min()
-}
-
-/// The cap set in the environment, if any (an unparsable value is ignored rather than blocking every sleep).
-pub fn env_cap() -> Option<usize> {
-    std::env::var(LIMIT_ENV).ok().and_then(|v| parse_size(&v))
 }
 
 /// "123", "64K", "512M", "16G" (binary units).

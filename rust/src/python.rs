@@ -202,8 +202,7 @@ impl Allocator {
         guard(|| {
             let size = size_arg(size, "size", false)?;
             let stream = stream_arg(py, stream)?;
-            let tag = crate::registry::current_tag(self.engine.id());
-            Ok(py.detach(|| self.engine.malloc_tagged(size, device, stream, tag))?)
+            Ok(py.detach(|| self.engine.malloc(size, device, stream))?)
         })
     }
 
@@ -226,7 +225,7 @@ impl Allocator {
     }
 
     fn current_tag(&self) -> PyResult<String> {
-        guard(|| Ok(self.engine.current_tag()))
+        guard(|| Ok(self.engine.current_tag()?))
     }
 
     #[pyo3(signature = (offload_tags = None))]
@@ -391,7 +390,7 @@ impl Allocator {
     /// The background pinning worker: {"running", "pinned", "nbytes"} (all false/0 when there is none).
     fn pin_ahead_status<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         guard(|| {
-            let s = py.detach(|| self.engine.pin_ahead_status());
+            let s = py.detach(|| self.engine.pin_ahead_status())?;
             let d = PyDict::new(py);
             d.set_item("running", s.running)?;
             d.set_item("pinned", s.pinned)?;
@@ -425,7 +424,7 @@ impl Allocator {
     }
 
     fn retains_backups(&self, py: Python<'_>) -> PyResult<bool> {
-        guard(|| Ok(py.detach(|| self.engine.retains_backups())))
+        guard(|| Ok(py.detach(|| self.engine.retains_backups())?))
     }
 
     fn set_fingerprint_chunk(&self, py: Python<'_>, nbytes: &Bound<'_, PyAny>) -> PyResult<()> {
@@ -651,7 +650,7 @@ impl Allocator {
     }
 
     fn keep_host_memory(&self, py: Python<'_>) -> PyResult<bool> {
-        guard(|| Ok(py.detach(|| self.engine.keep_host_memory())))
+        guard(|| Ok(py.detach(|| self.engine.keep_host_memory())?))
     }
 }
 

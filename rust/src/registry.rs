@@ -1,22 +1,10 @@
-//! Allocation records and the per-thread tag stacks. Pure bookkeeping: no driver calls happen here, so every
+//! Allocation records. Pure bookkeeping: no driver calls happen here, so every
 //! state transition stays in `engine.rs`.
 
-use std::cell::RefCell;
 use std::collections::{BTreeMap, HashMap};
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use crate::driver::{DevPtr, PhysHandle};
-use crate::host::HostBuffer;
-
-pub const DEFAULT_TAG: &str = "default";
-
-/// Where an asleep allocation's contents are: `len` bytes at `offset` of a shared host arena.
-#[derive(Clone)]
-pub struct Backup {
-    pub arena: Arc<HostBuffer>,
-    pub offset: usize,
-}
 
 /// The physical memory under an awake allocation.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -31,8 +19,9 @@ pub enum Backing {
 pub enum State {
     /// Physical memory mapped and accessible.
     Awake { backing: Backing },
-    /// Physical memory released; the range stays reserved. `backup` is None for discarded contents.
-    Asleep { backup: Option<Backup> },
+    /// Physical memory released; the range stays reserved. Whether its contents were backed up, and where, is
+    /// the backup store's to say (`crate::backups`).
+    Asleep,
 }
 
 #[derive(Clone)]
@@ -60,12 +49,11 @@ impl Allocation {
 }
 
 /// Live allocations by start address, with mapped bytes per device kept up to date so that usage queries (made
-/// on every malloc for the peak) cost O(devices), not O(allocations); likewise the bytes asleep with a backup.
+/// on every malloc for the peak) cost O(devices), not O(allocations).
 #[derive(Default)]
 pub struct Registry {
     allocs: BTreeMap<DevPtr, Allocation>,
     mapped: HashMap<i32, usize>,
-    backed_up: usize,
 }
 
 impl Registry {
@@ -98,21 +86,15 @@ impl Registry {
     }
 
     fn count(&mut self, a: &Allocation, add: bool) {
-        let counter = match a.state {
-            State::Awake { .. } => self.mapped.entry(a.device).or_insert(0),
-            State::Asleep { backup: Some(_) } => &mut self.backed_up,
-            State::Asleep { backup: None } => return,
+        let State::Awake { .. } = a.state else {
+            return;
         };
+        let counter = self.mapped.entry(a.device).or_insert(0);
         *counter = if add {
             *counter + a.size
         } else {
             *counter - a.size
         };
-    }
-
-    /// Bytes of the allocations asleep with a backup (the host memory their backups need).
-    pub fn backed_up_bytes(&self) -> usize {
-        self.backed_up
     }
 
     pub fn get(&self, addr: DevPtr) -> Option<&Allocation> {
@@ -153,74 +135,6 @@ impl Registry {
             None => self.mapped.values().sum(),
         }
     }
-}
-
-/// One engine's tag stack on one thread, with that engine's liveness flag.
-struct TagStack {
-    alive: Arc<AtomicBool>,
-    tags: Vec<Arc<str>>,
-}
-
-/// Beyond this many tag stacks on one thread, the next push drops the stacks of closed or dropped engines.
-const PRUNE_ABOVE: usize = 16;
-
-thread_local! {
-    /// Tag stacks of this thread, one per engine (keyed by engine id), so that several allocators in one process
-    /// (a simulated one in tests beside the CUDA one) do not see each other's tags. Bounded: an emptied stack is
-    /// removed, a closing engine removes its stack on the closing thread, and stacks that closed engines left on
-    /// other threads are dropped once a thread holds more than PRUNE_ABOVE.
-    static TAG_STACKS: RefCell<HashMap<u64, TagStack>> = RefCell::new(HashMap::new());
-}
-
-/// Push `tag` on this thread's stack for `engine`; `alive` turns false when that engine is closed or dropped.
-pub fn push_tag(engine: u64, alive: &Arc<AtomicBool>, tag: Arc<str>) {
-    TAG_STACKS.with(|s| {
-        let mut s = s.borrow_mut();
-        if s.len() > PRUNE_ABOVE {
-            s.retain(|_, st| st.alive.load(Ordering::Relaxed));
-        }
-        s.entry(engine)
-            .or_insert_with(|| TagStack {
-                alive: alive.clone(),
-                tags: Vec::new(),
-            })
-            .tags
-            .push(tag);
-    });
-}
-
-pub fn pop_tag(engine: u64) -> Option<Arc<str>> {
-    TAG_STACKS.with(|s| {
-        let mut s = s.borrow_mut();
-        let st = s.get_mut(&engine)?;
-        let tag = st.tags.pop();
-        if st.tags.is_empty() {
-            s.remove(&engine);
-        }
-        tag
-    })
-}
-
-/// Innermost tag of this thread for `engine`, or "default".
-pub fn current_tag(engine: u64) -> Arc<str> {
-    TAG_STACKS
-        .with(|s| {
-            s.borrow()
-                .get(&engine)
-                .and_then(|st| st.tags.last().cloned())
-        })
-        .unwrap_or_else(|| Arc::from(DEFAULT_TAG))
-}
-
-/// Drop this thread's stack for `engine` (it was closed).
-pub fn forget_tags(engine: u64) {
-    // try_with: an engine dropped while this thread's locals are torn down has nothing left to forget.
-    let _ = TAG_STACKS.try_with(|s| s.borrow_mut().remove(&engine));
-}
-
-/// How many engines have a tag stack on this thread (bounded; see TAG_STACKS).
-pub fn tag_stacks_on_this_thread() -> usize {
-    TAG_STACKS.with(|s| s.borrow().len())
 }
 
 #[cfg(test)]
@@ -266,10 +180,10 @@ mod tests {
             (r.mapped_bytes(Some(0)), r.mapped_bytes(Some(1))),
             (0x1000, 0x2000)
         );
-        r.set_state(0x10000, State::Asleep { backup: None });
+        r.set_state(0x10000, State::Asleep);
         assert_eq!((r.mapped_bytes(Some(1)), r.mapped_bytes(None)), (0, 0x1000));
         r.remove(0x10000); // asleep: nothing mapped to subtract
-        r.set_state(0x1000, State::Asleep { backup: None });
+        r.set_state(0x1000, State::Asleep);
         r.set_state(
             0x1000,
             State::Awake {
@@ -279,40 +193,5 @@ mod tests {
         assert_eq!(r.mapped_bytes(None), 0x1000);
         r.remove(0x1000);
         assert_eq!(r.mapped_bytes(None), 0);
-    }
-
-    #[test]
-    fn tag_stacks_are_per_engine_and_per_thread() {
-        let alive = Arc::new(AtomicBool::new(true));
-        push_tag(1, &alive, Arc::from("weights"));
-        push_tag(2, &alive, Arc::from("kv_cache"));
-        assert_eq!(&*current_tag(1), "weights");
-        assert_eq!(&*current_tag(2), "kv_cache");
-        std::thread::spawn(|| assert_eq!(&*current_tag(1), DEFAULT_TAG))
-            .join()
-            .unwrap();
-        assert_eq!(pop_tag(1).as_deref(), Some("weights"));
-        assert_eq!(&*current_tag(1), DEFAULT_TAG);
-        assert_eq!(pop_tag(1), None);
-        assert_eq!(pop_tag(2).as_deref(), Some("kv_cache"));
-        assert_eq!(tag_stacks_on_this_thread(), 0, "emptied stacks are removed");
-    }
-
-    #[test]
-    fn stacks_of_closed_engines_do_not_pile_up() {
-        let closed = Arc::new(AtomicBool::new(false));
-        let live = Arc::new(AtomicBool::new(true));
-        push_tag(0, &live, Arc::from("kept"));
-        for engine in 1..1000 {
-            push_tag(engine, &closed, Arc::from("t"));
-        }
-        assert!(tag_stacks_on_this_thread() <= PRUNE_ABOVE + 1);
-        assert_eq!(
-            &*current_tag(0),
-            "kept",
-            "a live engine's stack survives pruning"
-        );
-        forget_tags(0);
-        assert_eq!(&*current_tag(0), DEFAULT_TAG);
     }
 }

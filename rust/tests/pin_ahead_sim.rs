@@ -105,18 +105,18 @@ fn race(cells_before: Option<usize>) {
     e.reserve_host(total, true).unwrap();
     if let Some(n) = cells_before {
         wait_until("worker progress", || {
-            e.pin_ahead_status().pinned >= n * CELL
+            e.pin_ahead_status().unwrap().pinned >= n * CELL
         });
     }
     if cells_before == Some(8) {
         // Finished: its buffer counts as cached host memory without any call stopping it.
-        wait_until("worker exit", || !e.pin_ahead_status().running);
+        wait_until("worker exit", || !e.pin_ahead_status().unwrap().running);
         assert_eq!(e.stats().host_cached_bytes, total);
-        assert_eq!(e.pin_ahead_status(), Default::default());
+        assert_eq!(e.pin_ahead_status().unwrap(), Default::default());
     }
     let report = e.sleep(&["default"]).unwrap();
     assert_eq!(report.copied_bytes, total);
-    assert!(!e.pin_ahead_status().running);
+    assert!(!e.pin_ahead_status().unwrap().running);
     // Each cell registered exactly once, by the worker or by the sleep; none failed as already registered.
     assert_eq!(calls(&sim, "host_register"), 8, "{:?}", e.errors());
     assert_eq!(sim.counts().host_registered, 8);
@@ -151,16 +151,16 @@ fn sleep_after_pinning_ahead_finished() {
 fn close_and_trim_stop_the_worker() {
     let (sim, e) = engine_with(None, 20);
     e.reserve_host(16 * GRAN, true).unwrap();
-    wait_until("first cell", || e.pin_ahead_status().pinned >= CELL);
+    wait_until("first cell", || e.pin_ahead_status().unwrap().pinned >= CELL);
     e.trim_host().unwrap();
-    assert!(!e.pin_ahead_status().running);
+    assert!(!e.pin_ahead_status().unwrap().running);
     assert_eq!(
         sim.counts().host_registered,
         0,
         "trim returned the part pinned"
     );
     e.reserve_host(16 * GRAN, true).unwrap();
-    wait_until("first cell", || e.pin_ahead_status().pinned >= CELL);
+    wait_until("first cell", || e.pin_ahead_status().unwrap().pinned >= CELL);
     e.close().unwrap();
     assert_no_leaks(&sim);
     // Dropped while pinning: the drop joins the worker, which unpins what it pinned.
@@ -179,12 +179,12 @@ fn set_keep_host_memory_off_stops_the_worker_and_malloc_does_not_wait() {
     let a = e.malloc(GRAN, 0, 0).unwrap();
     e.free(a).unwrap();
     assert!(
-        e.pin_ahead_status().running,
+        e.pin_ahead_status().unwrap().running,
         "still pinning after {:?}",
         t.elapsed()
     );
     e.set_keep_host_memory(false).unwrap();
-    assert!(!e.pin_ahead_status().running);
+    assert!(!e.pin_ahead_status().unwrap().running);
     assert_eq!(sim.counts().host_registered, 0);
     e.close().unwrap();
     assert_no_leaks(&sim);
@@ -196,7 +196,7 @@ fn worker_stops_at_the_host_budget_with_one_warning_and_the_sleep_uses_what_fits
     let allocs = fill(&e, &[4 * GRAN]);
     // Asked for more than the budget: the worker pins 5 cells and stops, recording one warning.
     e.reserve_host(8 * GRAN, true).unwrap();
-    wait_until("worker done", || !e.pin_ahead_status().running);
+    wait_until("worker done", || !e.pin_ahead_status().unwrap().running);
     e.stop_pinning_ahead().unwrap();
     let errors = e.errors();
     assert_eq!(errors.len(), 1, "{errors:?}");
@@ -221,7 +221,7 @@ fn a_refused_worker_thread_is_recorded_and_the_sleep_pins_itself() {
     sim.inject_fault(cumem_rs::driver::Op::ThreadSpawn, 1, 999)
         .unwrap();
     e.reserve_host(2 * GRAN, true).unwrap();
-    assert!(!e.pin_ahead_status().running);
+    assert!(!e.pin_ahead_status().unwrap().running);
     assert!(
         e.errors()
             .iter()

@@ -9,7 +9,7 @@ use std::sync::Arc;
 
 use common::{assert_no_leaks, calls, engine, pattern, GRAN};
 use cumem_rs::driver::Op;
-use cumem_rs::registry::tag_stacks_on_this_thread;
+use cumem_rs::tags::tag_stacks_on_this_thread;
 use cumem_rs::{Engine, Error, SimDriver};
 
 const NONE: Option<&[&str]> = None;

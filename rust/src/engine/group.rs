@@ -21,25 +21,12 @@ use std::collections::HashMap;
 use super::{Engine, Inner, Report};
 use crate::driver::{DevPtr, PhysHandle};
 use crate::error::{Error, Result};
-use crate::registry::{Backing, Backup, State};
+use crate::backups::Backup;
+use crate::registry::{Backing, State};
 
 /// Largest group formed at wake (bytes). 32 MiB turns 6144 allocations of 2 MiB into 384 handles (measured
 /// enough for their wake and sleep to run at the copy limit) while a partly freed group holds little.
 pub const DEFAULT_GROUP_BYTES: usize = 32 << 20;
-
-/// The group limit a new engine starts with: `CUMEM_RS_WAKE_GROUP_BYTES` (bytes, `K`/`M`/`G` suffixes; 0 turns
-/// groups off), else the default.
-pub(super) fn initial_group_bytes() -> usize {
-    match std::env::var("CUMEM_RS_WAKE_GROUP_BYTES") {
-        Err(_) => DEFAULT_GROUP_BYTES,
-        Ok(v) => crate::host_guard::parse_size(&v).unwrap_or_else(|| {
-            log::warn!(
-                "CUMEM_RS_WAKE_GROUP_BYTES={v:?} is not a byte count; using {DEFAULT_GROUP_BYTES}"
-            );
-            DEFAULT_GROUP_BYTES
-        }),
-    }
-}
 
 pub(super) struct Group {
     pub addr: DevPtr,
@@ -54,13 +41,22 @@ pub(super) struct Group {
     pub ready: Vec<(DevPtr, Option<Backup>)>,
 }
 
-#[derive(Default)]
 pub(super) struct Groups {
     next: u64,
     by_id: HashMap<u64, Group>,
+    /// Largest run one wake maps on one handle (bytes; 0: no groups).
+    limit: usize,
 }
 
 impl Groups {
+    pub fn new(limit: usize) -> Groups {
+        Groups {
+            next: 0,
+            by_id: HashMap::new(),
+            limit,
+        }
+    }
+
     pub fn insert(&mut self, g: Group) -> u64 {
         self.next += 1;
         self.by_id.insert(self.next, g);
@@ -105,19 +101,19 @@ impl Engine {
     /// Largest run of neighbours a later wake maps on one handle; 0 maps every allocation on its own (each
     /// free then returns its memory at once). Groups already formed are kept.
     pub fn set_wake_group_bytes(&self, bytes: usize) -> Result<()> {
-        self.lock_open()?.group_bytes = bytes;
+        self.lock_open()?.groups.limit = bytes;
         Ok(())
     }
 
     pub fn wake_group_bytes(&self) -> usize {
-        self.inner.lock().group_bytes
+        self.inner.lock().groups.limit
     }
 
     /// Split `addrs` (asleep allocations in address order) into the runs one wake maps together: adjacent
     /// addresses in one reservation, one device, one tag, at most `group_bytes` in all. Allocations that fit no
     /// run are runs of one.
     pub(super) fn wake_runs(inner: &Inner, addrs: &[DevPtr]) -> Vec<Vec<DevPtr>> {
-        let limit = inner.group_bytes;
+        let limit = inner.groups.limit;
         let mut runs: Vec<Vec<DevPtr>> = Vec::new();
         let mut run_bytes = 0;
         for &addr in addrs {
@@ -207,7 +203,7 @@ impl Engine {
                 report.discarded_bytes += size;
             }
             report.allocations += 1;
-            inner.reg.set_state(a, State::Asleep { backup });
+            Self::mark_asleep(inner, a, backup);
         }
         Ok(())
     }
@@ -262,8 +258,7 @@ impl Engine {
         e: &Error,
     ) {
         if inner.groups.leave(id, addr, size) {
-            Self::record(
-                inner,
+            inner.log.record(
                 &format!("free {addr:#x} (freed anyway; its memory goes with its wake group)"),
                 e,
             );
@@ -271,11 +266,10 @@ impl Engine {
         }
         // Its range covers every member's: the queued return gives back the freed members' addresses too.
         let g = inner.groups.by_id.remove(&id).expect("live group");
-        Self::record(
-            inner,
+        inner.log.record(
             &format!("free {addr:#x} (its group's unmap, release and address return are queued for retry)"),
             e,
         );
-        self.queue_release(inner, g.addr, g.size, g.handle);
+        inner.pending.queue_release(g.addr, g.size, g.handle);
     }
 }

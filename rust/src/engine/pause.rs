@@ -7,8 +7,6 @@
 //! That waits for work already queued on those devices; it never interrupts it, and devices without a paused
 //! allocation are not synchronized at all.
 
-use std::time::Instant;
-
 use super::{tag_set, Engine, Report};
 use crate::error::Result;
 
@@ -18,16 +16,11 @@ impl Engine {
     /// no-op. Same ordering and guarantees as `sleep`: after a failure each allocation to back up is either
     /// awake with its data or asleep with a complete backup.
     pub fn pause<S: AsRef<str>>(&self, tags: Option<&[S]>) -> Result<Report> {
-        let start = Instant::now();
         let wanted = tags.map(tag_set);
-        let mut inner = self.lock_open()?;
-        self.retry_pending(&mut inner);
-        let (backed, bare) = Self::split_awake(
-            &inner,
+        self.sleep_where(
             |a| wanted.as_ref().is_none_or(|w| w.contains(&*a.tag)),
-            |a| inner.policies.pause_backup(&a.tag),
-        );
-        self.sleep_targets(&mut inner, backed, bare, start)
+            |p, a| p.pause_backup(&a.tag),
+        )
     }
 
     /// Wake the asleep allocations of `tags` (None: every tag), all or nothing, exactly as `wake` does; resuming

@@ -3,16 +3,56 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use super::{pin_ahead, tag_set, Engine, Inner, Report};
+use super::policy::Policies;
+use super::{tag_set, Engine, Inner, Report};
+use crate::backups::{Backup, SleepPrints};
 use crate::driver::DevPtr;
 use crate::error::{Error, Result};
 use crate::host::HostBuffer;
-use crate::registry::{Allocation, Backing, Backup, State};
-use crate::transfer;
+use crate::registry::{Allocation, Backing, State};
+use crate::transfer::{self, InFlight, Job};
+
+/// The backup copies of one sleep in flight, and the releases waiting for them. `issued` is declared first so
+/// that it is dropped (waiting for every queued copy, panics included) before the arena's last holder.
+#[derive(Default)]
+struct SleepCopies<'d> {
+    issued: Option<InFlight<'d>>,
+    cells: Option<CellRelease>,
+}
 
 impl Engine {
     /// Back up awake allocations whose tag is in `offload_tags`, then release the physical memory of every awake
     /// allocation. Allocations already asleep keep their state and backup.
+    pub fn sleep<S: AsRef<str>>(&self, offload_tags: &[S]) -> Result<Report> {
+        let offload = tag_set(offload_tags);
+        self.sleep_where(|_| true, |_, a| offload.contains(&*a.tag))
+    }
+
+    /// Sleep without naming tags: each tag is backed up per its policy (unset: only "default" is, vLLM's rule),
+    /// then every awake allocation is released. Same ordering and guarantees as `sleep`.
+    pub fn sleep_by_policy(&self) -> Result<Report> {
+        self.sleep_where(|_| true, |p, a| p.sleep_backup(&a.tag))
+    }
+
+    /// The one sleep entry (sleep, sleep by policy, pause): the awake allocations for which `wanted` holds are
+    /// released, those for which `backup` holds backed up first.
+    pub(super) fn sleep_where(
+        &self,
+        wanted: impl Fn(&Allocation) -> bool,
+        backup: impl Fn(&Policies, &Allocation) -> bool,
+    ) -> Result<Report> {
+        let start = Instant::now();
+        let mut locked = self.lock_open()?;
+        let inner = &mut *locked;
+        self.retry_pending(inner);
+        let (mut backed, mut bare) = (Vec::new(), Vec::new());
+        for a in inner.reg.iter().filter(|a| a.is_awake() && wanted(a)) {
+            if backup(&inner.policies, a) { &mut backed } else { &mut bare }.push(a.addr);
+        }
+        self.sleep_targets(inner, backed, bare, start)
+    }
+
+    /// Back up `backed`, then release `backed` and `bare` (awake allocations).
     ///
     /// Order: synchronize; take the host arena (the last point that may fail with nothing queued); fingerprint
     /// every offloaded allocation; queue the backup copies of those without a retained backup (pinning a cold
@@ -22,31 +62,7 @@ impl Engine {
     /// its whole backup is known to be on the host, so after any failure each offloaded allocation is either
     /// awake with its data or asleep with a complete backup. Allocations of other tags are released without
     /// backup as asked, failure or not.
-    pub fn sleep<S: AsRef<str>>(&self, offload_tags: &[S]) -> Result<Report> {
-        let start = Instant::now();
-        let offload = tag_set(offload_tags);
-        let mut inner = self.lock_open()?;
-        self.retry_pending(&mut inner);
-        let (backed, bare) = Self::split_awake(&inner, |_| true, |a| offload.contains(&*a.tag));
-        self.sleep_targets(&mut inner, backed, bare, start)
-    }
-
-    /// The awake allocations for which `wanted` holds, split into those to back up (`backup` holds) and the rest.
-    pub(super) fn split_awake(
-        inner: &Inner,
-        wanted: impl Fn(&Allocation) -> bool,
-        backup: impl Fn(&Allocation) -> bool,
-    ) -> (Vec<DevPtr>, Vec<DevPtr>) {
-        let (mut backed, mut bare) = (Vec::new(), Vec::new());
-        for a in inner.reg.iter().filter(|a| a.is_awake() && wanted(a)) {
-            if backup(a) { &mut backed } else { &mut bare }.push(a.addr);
-        }
-        (backed, bare)
-    }
-
-    /// Back up `backed`, then release `backed` and `bare` (awake allocations): the body of `sleep`, shared with
-    /// `pause` and `sleep_by_policy`, with the ordering and guarantees described at `sleep`.
-    pub(super) fn sleep_targets(
+    fn sleep_targets(
         &self,
         inner: &mut Inner,
         mut backed: Vec<DevPtr>,
@@ -60,110 +76,34 @@ impl Engine {
         self.synchronize_devices(inner, &targets)?;
         let mut report = Report::default();
         // Not offloaded this time: a retained backup of these would go stale.
-        Self::drop_retained(inner, &bare);
-        let retained = Self::split_retained(inner, &mut backed);
+        inner.backups.drop_retained(&bare);
+        let retained = inner.backups.split_retained(&mut backed);
 
-        // 1. The host arena for the backups made now (the only step that may still return early: nothing is
-        //    queued yet).
-        let (mut jobs, total) = transfer::layout(backed.iter().map(|a| {
-            let a = inner.reg.get(*a).expect("selected");
-            (a.device, a.addr, a.size)
-        }));
-        for i in 1..jobs.len() {
-            let prev = jobs[i - 1];
-            jobs[i].joins_previous = inner.vas.continues(prev.addr, prev.size, jobs[i].addr);
-        }
-        let mut cold = false;
-        let mut buf = None;
-        if total > 0 {
-            inner.largest_backup = inner.largest_backup.max(total);
-            // A buffer pinned ahead (whole or in part) is cached from here on.
-            self.stop_pin_ahead(inner);
-            let cached = inner.host.take_cached(total);
-            if cached.is_none() {
-                inner.host.trim()?;
-            }
-            // The host guard: what is still to pin must fit in what the host can give.
-            let to_pin = cached.as_ref().map_or(total, |b| b.unpinned_below(total));
-            if let Err(e) = pin_ahead::check_room(
-                &*self.driver,
-                to_pin,
-                "sleep (refused before anything was released: every allocation stays awake)",
-            ) {
-                if let Some(b) = cached {
-                    let _ = inner.host.cache(b); // as it was; a refused unpin keeps it cached anyway
-                }
-                return Err(e);
-            }
-            cold = to_pin > 0;
-            buf = Some(match cached {
-                Some(buf) => buf,
-                None => HostBuffer::map_unpinned(&self.driver, total)?,
-            });
-        }
+        // 1. The host arena for the backups made now (the only step that may still return early).
+        let (jobs, total) = self.sleep_jobs(inner, &backed);
+        let arena = match total {
+            0 => None,
+            _ => Some(inner.backups.arena_for_sleep(total, &mut inner.log)?),
+        };
+        let cold = arena.as_ref().is_some_and(|b| b.unpinned_below(total) > 0);
 
         // 2. Fingerprint every offloaded allocation, first on the copy streams so that the result does not wait
         //    for the copies: the retained ones to find their changed chunks, all to let the next sleep skip.
-        let mut prints = self.begin_sleep_prints(inner, retained, &backed);
+        let mut prints = inner
+            .backups
+            .begin_sleep_prints(&inner.reg, retained, &backed, &mut inner.log);
 
-        // 3. Queue the backup copies. A steady (wholly pinned) arena is filled a bounded number of copies ahead,
-        //    releasing each cell's finished allocations as it goes; a cold one is pinned cell by cell meanwhile.
-        let cell_size = inner.pin_chunk;
+        // 3. Queue the backup copies.
         let mut first_err = None;
-        let mut cells: Option<CellRelease> = None;
-        // After `cells` (which holds the arena), so that it is dropped (waiting for every queued copy) first,
-        // panics included.
-        let mut issued: Option<transfer::InFlight> = None;
-        if let Some(mut buf) = buf {
-            if transfer::all_pinned(&buf, &jobs, cell_size) {
-                let buf = Arc::new(buf);
-                inner.arenas.push(buf.clone());
-                let mut rel = CellRelease::new(&jobs, cell_size, buf.clone());
-                let (in_flight, result) = transfer::issue_copy_out_pinned(
-                    &*self.driver,
-                    &buf,
-                    &jobs,
-                    cell_size,
-                    |done, waited| {
-                        rel.finish(self, inner, done, waited, &mut report, &mut first_err)
-                    },
-                );
-                if let Err(e) = result {
-                    first_err.get_or_insert(e);
-                }
-                issued = Some(in_flight);
-                cells = Some(rel);
-            } else {
-                let mut absorbed = Vec::new();
-                let (in_flight, result) = transfer::issue_copy_out(
-                    &*self.driver,
-                    &mut buf,
-                    &jobs,
-                    cell_size,
-                    &mut absorbed,
-                );
-                for e in absorbed {
-                    Self::record(
-                        inner,
-                        "pinning host backup memory (copying through pageable memory)",
-                        &e,
-                    );
-                }
-                for e in std::mem::take(&mut buf.notes) {
-                    Self::record(inner, super::THREAD_REFUSED, &e);
-                }
-                if let Err(e) = result {
-                    first_err.get_or_insert(e);
-                }
-                issued = Some(in_flight);
-                let buf = Arc::new(buf);
-                inner.arenas.push(buf.clone());
-                cells = Some(CellRelease::new(&jobs, cell_size, buf));
-            }
+        let mut copies = SleepCopies::default();
+        if let Some(arena) = arena {
+            copies = self.issue_backups(inner, arena, &jobs, &mut report, &mut first_err);
         }
 
         // 4. Compare the fingerprints; queue the copies of changed chunks into the retained backups.
-        let changed_queued = self.issue_changed_chunks(inner, &mut prints, &mut report);
+        let changed_queued = inner
+            .backups
+            .issue_changed_chunks(&inner.reg, &mut prints, &mut inner.log);
         let changed_ok = changed_queued.is_ok();
         if let Err(e) = changed_queued {
             first_err.get_or_insert(e);
@@ -177,18 +117,18 @@ impl Engine {
         }
 
         // 6. As the remaining cells finish, release the allocations whose backup is complete.
-        if let (Some(rel), Some(flight)) = (cells.as_mut(), issued.as_mut()) {
+        if let (Some(rel), Some(flight)) = (copies.cells.as_mut(), copies.issued.as_mut()) {
             while let Some((done, waited)) = flight.next_cell() {
                 rel.finish(self, inner, done, waited, &mut report, &mut first_err);
             }
         }
-        drop(issued); // after a failure: waits for the copy streams too
+        drop(copies.issued.take()); // after a failure: waits for the copy streams too
 
         // 7. Once their changed chunks are on the host, release the allocations with a retained backup.
-        self.finish_sleep_prints(inner, prints, changed_ok, &mut report, &mut first_err);
+        self.release_retained(inner, prints, changed_ok, &mut report, &mut first_err);
         Self::abandon_incomplete_groups(inner);
-        drop(cells);
-        self.collect_unused_arenas(inner);
+        drop(copies);
+        inner.backups.collect_unused(&mut inner.log);
         report.seconds = start.elapsed().as_secs_f64();
         log::debug!(
             "engine sleep: {} allocations, {} bytes backed up ({}), {} bytes released without backup, {:.3} s",
@@ -198,9 +138,105 @@ impl Engine {
             report.discarded_bytes,
             report.seconds
         );
-        inner.stats.sleeps += 1;
-        inner.stats.last_sleep = Some(report.clone());
+        inner.counters.sleeps += 1;
+        inner.counters.last_sleep = Some(report.clone());
         first_err.map_or(Ok(report), Err)
+    }
+
+    /// The backups to make, laid out back to back in one arena, neighbours in one reservation marked so that
+    /// their copies merge.
+    fn sleep_jobs(&self, inner: &Inner, backed: &[DevPtr]) -> (Vec<Job>, usize) {
+        let (mut jobs, total) = transfer::layout(backed.iter().map(|a| {
+            let a = inner.reg.get(*a).expect("selected");
+            (a.device, a.addr, a.size)
+        }));
+        for i in 1..jobs.len() {
+            let prev = jobs[i - 1];
+            jobs[i].joins_previous = inner.vas.continues(prev.addr, prev.size, jobs[i].addr);
+        }
+        (jobs, total)
+    }
+
+    /// Queue the backup copies of `jobs` into `arena`. A steady (wholly pinned) arena is filled a bounded number
+    /// of copies ahead, releasing each cell's finished allocations as it goes; a cold one is pinned cell by cell
+    /// meanwhile (its releases come as the caller drains the cells).
+    fn issue_backups(
+        &self,
+        inner: &mut Inner,
+        mut arena: HostBuffer,
+        jobs: &[Job],
+        report: &mut Report,
+        first_err: &mut Option<Error>,
+    ) -> SleepCopies<'_> {
+        let cell_size = inner.backups.pin_chunk();
+        if transfer::all_pinned(&arena, jobs, cell_size) {
+            let arena = inner.backups.adopt(arena, &mut inner.log);
+            let mut rel = CellRelease::new(jobs, cell_size, arena.clone());
+            let (in_flight, result) =
+                transfer::issue_copy_out_pinned(&*self.driver, &arena, jobs, cell_size, |done, waited| {
+                    rel.finish(self, inner, done, waited, report, first_err)
+                });
+            if let Err(e) = result {
+                first_err.get_or_insert(e);
+            }
+            return SleepCopies {
+                issued: Some(in_flight),
+                cells: Some(rel),
+            };
+        }
+        let mut absorbed = Vec::new();
+        let (in_flight, result) =
+            transfer::issue_copy_out(&*self.driver, &mut arena, jobs, cell_size, &mut absorbed);
+        for e in absorbed {
+            inner.log.record(
+                "pinning host backup memory (copying through pageable memory)",
+                &e,
+            );
+        }
+        if let Err(e) = result {
+            first_err.get_or_insert(e);
+        }
+        let arena = inner.backups.adopt(arena, &mut inner.log);
+        SleepCopies {
+            issued: Some(in_flight),
+            cells: Some(CellRelease::new(jobs, cell_size, arena)),
+        }
+    }
+
+    /// Sleep, last step: wait for the changed-chunk copies (always, failure or not), release the retained
+    /// allocations whose backup is complete (`copies_ok`: everything was queued), then keep the new prints of
+    /// every allocation now asleep with a backup. Retained allocations not released stay awake and lose their
+    /// retained backup.
+    fn release_retained(
+        &self,
+        inner: &mut Inner,
+        mut prints: SleepPrints,
+        copies_ok: bool,
+        report: &mut Report,
+        first_err: &mut Option<Error>,
+    ) {
+        // After a failure release nothing more, but wait for every marker.
+        let mut ok = copies_ok;
+        if let Err(e) = prints.wait_leftover_markers(&*self.driver) {
+            ok = false;
+            first_err.get_or_insert(e);
+        }
+        while let Some((addr, backup, waited)) = prints.next_changed(&*self.driver) {
+            if let Err(e) = waited {
+                ok = false;
+                first_err.get_or_insert(e);
+            }
+            if ok {
+                if let Err(e) = self.release_to_sleep(inner, addr, Some(backup), report) {
+                    first_err.get_or_insert(e);
+                }
+            }
+        }
+        report.chunks_checked += prints.chunks_checked;
+        report.skipped_bytes += prints.skipped_bytes;
+        report.copied_bytes += prints.copied_bytes;
+        report.fingerprint_seconds = prints.seconds;
+        inner.backups.keep_sleep_prints(prints);
     }
 
     /// Unmap and release one awake allocation and mark it asleep with `backup`. A failed unmap leaves it awake. A
@@ -226,7 +262,7 @@ impl Engine {
             report.discarded_bytes += size;
         }
         report.allocations += 1;
-        inner.reg.set_state(addr, State::Asleep { backup });
+        Self::mark_asleep(inner, addr, backup);
         Ok(())
     }
 
@@ -234,31 +270,32 @@ impl Engine {
     pub fn discard<S: AsRef<str>>(&self, tags: &[S]) -> Result<Report> {
         let start = Instant::now();
         let wanted = tag_set(tags);
-        let mut inner = self.lock_open()?;
-        self.retry_pending(&mut inner);
+        let mut locked = self.lock_open()?;
+        let inner = &mut *locked;
+        self.retry_pending(inner);
         let targets = inner
             .reg
             .select(|a| a.is_awake() && wanted.contains(&*a.tag));
         if targets.is_empty() {
             return Ok(Report::default());
         }
-        self.synchronize_devices(&inner, &targets)?;
+        self.synchronize_devices(inner, &targets)?;
         let mut report = Report::default();
         let mut first_err = None;
         for addr in &targets {
-            if let Err(e) = self.release_to_sleep(&mut inner, *addr, None, &mut report) {
+            if let Err(e) = self.release_to_sleep(inner, *addr, None, &mut report) {
                 first_err.get_or_insert(e);
             }
         }
-        Self::abandon_incomplete_groups(&mut inner);
+        Self::abandon_incomplete_groups(inner);
         // Only what really went to sleep loses its retained backup (a group member whose group stayed mapped
         // after a failure is still awake with its data).
         let released: Vec<DevPtr> = targets
             .into_iter()
             .filter(|a| !inner.reg.get(*a).expect("selected").is_awake())
             .collect();
-        Self::drop_retained(&mut inner, &released);
-        self.collect_unused_arenas(&mut inner);
+        inner.backups.drop_retained(&released);
+        inner.backups.collect_unused(&mut inner.log);
         report.seconds = start.elapsed().as_secs_f64();
         first_err.map_or(Ok(report), Err)
     }
@@ -267,7 +304,7 @@ impl Engine {
 /// Releases the backed-up allocations of a sleep as the cells holding their backup finish. `missing` counts each
 /// job's cells on the whole grid, so a job with a cell that was never queued (after an error) stays awake.
 struct CellRelease {
-    jobs: Vec<transfer::Job>,
+    jobs: Vec<Job>,
     missing: Vec<usize>,
     arena: Arc<HostBuffer>,
     /// False after a failed wait: nothing more is released, but every marker is still waited for.
@@ -275,7 +312,7 @@ struct CellRelease {
 }
 
 impl CellRelease {
-    fn new(jobs: &[transfer::Job], cell_size: usize, arena: Arc<HostBuffer>) -> Self {
+    fn new(jobs: &[Job], cell_size: usize, arena: Arc<HostBuffer>) -> Self {
         CellRelease {
             jobs: jobs.to_vec(),
             missing: jobs
@@ -305,10 +342,7 @@ impl CellRelease {
             self.missing[j] -= 1;
             if self.missing[j] == 0 && self.copies_ok {
                 let job = self.jobs[j];
-                let backup = Backup {
-                    arena: self.arena.clone(),
-                    offset: job.offset,
-                };
+                let backup = Backup::in_arena(&self.arena, job.offset, job.size);
                 match engine.release_to_sleep(inner, job.addr, Some(backup), report) {
                     Ok(()) => report.copied_bytes += job.size,
                     Err(e) => {

@@ -1,5 +1,8 @@
-//! What the engine reports to callers: per-call reports, allocation listings, statistics.
+//! What the engine reports to callers: per-call reports, allocation listings, statistics, per-tag status.
 
+use std::collections::BTreeMap;
+
+use super::policy::TagPolicy;
 use crate::driver::DevPtr;
 
 /// What one sleep, wake or discard did.
@@ -59,4 +62,50 @@ pub struct Stats {
     pub unreturned_bytes: usize,
     pub last_sleep: Option<Report>,
     pub last_wake: Option<Report>,
+}
+
+/// What the engine counts as calls go by (the rest of `Stats` is read off the components when asked).
+#[derive(Debug, Clone, Default)]
+pub struct Counters {
+    pub mallocs: u64,
+    pub frees: u64,
+    pub sleeps: u64,
+    pub wakes: u64,
+    pub peak_mapped_bytes: usize,
+    pub last_sleep: Option<Report>,
+    pub last_wake: Option<Report>,
+}
+
+/// One tag as seen by `status`.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct TagStatus {
+    pub allocations: usize,
+    /// Bytes of its awake allocations (physically mapped).
+    pub mapped_bytes: usize,
+    /// Bytes of its asleep allocations (address range kept, no physical memory).
+    pub asleep_bytes: usize,
+    /// Host backup bytes held for its allocations: the backups of asleep ones plus `retained_bytes`.
+    pub backup_bytes: usize,
+    /// Host bytes of retained backups, kept bound to awake allocations after the wake that restored them.
+    pub retained_bytes: usize,
+    pub policy: TagPolicy,
+}
+
+impl TagStatus {
+    /// "awake" (nothing asleep, also when it has no allocations), "asleep" (nothing awake) or "mixed".
+    pub fn state(&self) -> &'static str {
+        match (self.mapped_bytes > 0, self.asleep_bytes > 0) {
+            (_, false) => "awake",
+            (false, true) => "asleep",
+            (true, true) => "mixed",
+        }
+    }
+}
+
+/// Every tag with an allocation or a policy.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Status {
+    pub tags: BTreeMap<String, TagStatus>,
+    /// True while any allocation is asleep.
+    pub is_sleeping: bool,
 }

@@ -3,7 +3,7 @@
 //! refuses to pin more than the host can still give (`crate::host_guard`) rather than let the OS kill the process.
 //!
 //! The worker owns the buffer while it pins and never takes the engine lock: it hands the buffer back only
-//! through its join handle. Every engine call that needs the arena or gives host memory back (sleep,
+//! through its join handle. Every call that needs the arena or gives host memory back (sleep,
 //! `reserve_host`, `trim_host`, `set_keep_host_memory(false)`, `set_pin_chunk`, close, drop) first stops it: it
 //! sets the stop flag, which the worker checks between cells, and joins it (waiting for one cell's pinning at
 //! most), then caches the buffer, pinned whole or in part (`stats` and `host_bytes` cache a finished worker's). A sleep takes it from the cache; the cold path of
@@ -14,10 +14,11 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 
-use super::{Engine, Inner, THREAD_REFUSED};
+use super::{BackupStore, THREAD_REFUSED};
 use crate::driver::Driver;
 use crate::error::{Error, Result};
 use crate::host::HostBuffer;
+use crate::error_log::ErrorLog;
 use crate::host_guard::LIMIT_ENV;
 
 /// Context of the errors a worker recorded.
@@ -39,14 +40,14 @@ pub(super) struct Worker {
 }
 
 impl Worker {
-    fn start(driver: Arc<dyn Driver>, mut buf: HostBuffer, cell: usize) -> Result<Worker> {
+    fn start(room: HostRoom, mut buf: HostBuffer, cell: usize) -> Result<Worker> {
         let stop = Arc::new(AtomicBool::new(false));
         let progress = Arc::new(AtomicUsize::new(0));
         let len = buf.len();
         let (flag, done) = (stop.clone(), progress.clone());
         let body = move || {
             let mut errors = Vec::new();
-            if let Err(e) = pin_rest(&*driver, &mut buf, cell, &flag, &done) {
+            if let Err(e) = pin_rest(&room, &mut buf, cell, &flag, &done) {
                 errors.push((PIN_AHEAD, e));
             }
             errors.extend(
@@ -89,7 +90,7 @@ impl Drop for Worker {
 /// set, storing in `done` the bytes from the start that are pinned. Stops at the first cell that does not fit in
 /// the host memory available or that the driver refuses, with that error (the cells before it stay pinned).
 fn pin_rest(
-    driver: &dyn Driver,
+    room: &HostRoom,
     buf: &mut HostBuffer,
     cell: usize,
     stop: &AtomicBool,
@@ -100,8 +101,7 @@ fn pin_rest(
     while off < len && !stop.load(Ordering::Acquire) {
         let n = cell.min(len - off);
         if !buf.is_pinned_at(off) {
-            check_room(
-                driver,
+            room.check(
                 n,
                 &format!("pinning ahead (bytes {off}..{} of {len})", off + n),
             )?;
@@ -113,16 +113,29 @@ fn pin_rest(
     Ok(())
 }
 
-/// Err(OutOfMemory) naming both numbers when pinning `needed` more bytes would pass what the host can give.
-pub(super) fn check_room(driver: &dyn Driver, needed: usize, what: &str) -> Result<()> {
-    match driver.host_available() {
-        Some(available) if needed > available => Err(Error::OutOfMemory {
-            what: format!(
-                "{what} needs {needed} bytes of host memory but only {available} bytes are available \
-                 (the least of MemAvailable, the cgroup's limit and {LIMIT_ENV})"
-            ),
-        }),
-        _ => Ok(()),
+/// What the host can still give to pinning: the driver's answer (`Driver::host_available`) and the configured cap.
+#[derive(Clone)]
+pub(super) struct HostRoom {
+    pub driver: Arc<dyn Driver>,
+    pub cap: Option<usize>,
+}
+
+impl HostRoom {
+    /// Err(OutOfMemory) naming both numbers when pinning `needed` more bytes would pass what the host can give.
+    pub fn check(&self, needed: usize, what: &str) -> Result<()> {
+        let available = [self.driver.host_available(), self.cap]
+            .into_iter()
+            .flatten()
+            .min();
+        match available {
+            Some(available) if needed > available => Err(Error::OutOfMemory {
+                what: format!(
+                    "{what} needs {needed} bytes of host memory but only {available} bytes are available \
+                     (the least of MemAvailable, the cgroup's limit and {LIMIT_ENV})"
+                ),
+            }),
+            _ => Ok(()),
+        }
     }
 }
 
@@ -136,59 +149,58 @@ pub struct PinAheadStatus {
     pub nbytes: usize,
 }
 
-impl Engine {
+impl BackupStore {
     /// Stop the background worker, if any, record what it reported, and cache its buffer for the next sleep.
-    pub(super) fn stop_pin_ahead(&self, inner: &mut Inner) {
-        let Some(mut worker) = inner.pin_ahead.take() else {
+    pub fn stop_pin_ahead(&mut self, log: &mut ErrorLog) {
+        let Some(mut worker) = self.pin_ahead.take() else {
             return;
         };
         let Some(out) = worker.finish() else {
             let e = Error::InvalidState("the worker panicked; its buffer was released".into());
-            Self::record(inner, PIN_AHEAD, &e);
+            log.record(PIN_AHEAD, &e);
             return;
         };
         for (context, e) in &out.errors {
-            Self::record(inner, context, e);
+            log.record(context, e);
         }
-        if let Err(e) = inner.host.cache(out.buf) {
-            Self::record(inner, "returning cached host backup memory", &e);
+        if let Err(e) = self.host.cache(out.buf) {
+            log.record("returning cached host backup memory", &e);
         }
     }
 
     /// Cache the buffer of a worker that has finished (no waiting), so that host byte counts include it.
-    pub(super) fn collect_finished_pin_ahead(&self, inner: &mut Inner) {
-        let finished = (inner.pin_ahead.as_ref())
+    pub fn collect_finished_pin_ahead(&mut self, log: &mut ErrorLog) {
+        let finished = (self.pin_ahead.as_ref())
             .is_some_and(|w| w.handle.as_ref().is_none_or(|h| h.is_finished()));
         if finished {
-            self.stop_pin_ahead(inner);
+            self.stop_pin_ahead(log);
         }
     }
 
     /// Start pinning `len` bytes of host memory for the next sleep in the background (see the module comment).
     /// A buffer already cached for it is reused (its pinned cells are kept); one wholly pinned needs no worker.
-    pub(super) fn start_pin_ahead(&self, inner: &mut Inner, len: usize) -> Result<()> {
-        if inner.pin_ahead.as_ref().is_some_and(|w| w.len >= len) {
+    pub fn start_pin_ahead(&mut self, len: usize, log: &mut ErrorLog) -> Result<()> {
+        if self.pin_ahead.as_ref().is_some_and(|w| w.len >= len) {
             return Ok(()); // already pinning enough (a block of the same tags ended again)
         }
-        self.stop_pin_ahead(inner);
-        let buf = match inner.host.take_cached(len) {
-            Some(b) if b.unpinned_below(b.len()) == 0 => return inner.host.cache(b),
+        self.stop_pin_ahead(log);
+        let buf = match self.host.take_cached(len) {
+            Some(b) if b.unpinned_below(b.len()) == 0 => return self.host.cache(b),
             Some(b) => b,
             None => {
-                inner.host.trim()?;
+                self.host.trim()?;
                 HostBuffer::map_unpinned(&self.driver, len)?
             }
         };
-        inner.largest_backup = inner.largest_backup.max(len);
+        self.largest = self.largest.max(len);
         let started = self
             .driver
             .thread_spawn()
-            .and_then(|()| Worker::start(self.driver.clone(), buf, inner.pin_chunk));
+            .and_then(|()| Worker::start(self.room.clone(), buf, self.pin_chunk));
         match started {
-            Ok(w) => inner.pin_ahead = Some(w),
+            Ok(w) => self.pin_ahead = Some(w),
             // No background work: the next sleep pins as it would have without it.
-            Err(e) => Self::record(
-                inner,
+            Err(e) => log.record(
                 "starting the background pinning worker (not pinning ahead)",
                 &e,
             ),
@@ -196,47 +208,40 @@ impl Engine {
         Ok(())
     }
 
-    /// `reserve_host` now: stop the worker, finish pinning a cached buffer large enough (its pinned cells are
-    /// kept), else pin a new one, after the host guard's check.
-    pub(super) fn reserve_now(&self, inner: &mut Inner, len: usize) -> Result<()> {
-        self.stop_pin_ahead(inner);
+    /// Make sure `len` bytes of pinned host memory are cached for the next sleep, now: stop the worker, finish
+    /// pinning a cached buffer large enough (its pinned cells are kept), else pin a new one, after the host
+    /// guard's check.
+    pub fn reserve_now(&mut self, len: usize, log: &mut ErrorLog) -> Result<()> {
+        let r = self.reserve_pinned(len, log);
+        if r.is_ok() {
+            self.largest = self.largest.max(len);
+        }
+        self.record_host_fallbacks(log);
+        r
+    }
+
+    fn reserve_pinned(&mut self, len: usize, log: &mut ErrorLog) -> Result<()> {
+        self.stop_pin_ahead(log);
         let what = format!("reserve_host({len}), refused,");
-        let Some(mut buf) = inner.host.take_cached(len) else {
-            inner.host.trim()?;
-            check_room(&*self.driver, len, &what)?;
-            return inner.host.reserve(len);
+        let Some(mut buf) = self.host.take_cached(len) else {
+            self.host.trim()?;
+            self.room.check(len, &what)?;
+            return self.host.reserve(len);
         };
         let rest = buf.unpinned_below(buf.len());
         let (stop, done) = (AtomicBool::new(false), AtomicUsize::new(0));
-        let pinned = check_room(&*self.driver, rest, &what)
-            .and_then(|()| pin_rest(&*self.driver, &mut buf, inner.pin_chunk, &stop, &done));
+        let pinned = (self.room.check(rest, &what))
+            .and_then(|()| pin_rest(&self.room, &mut buf, self.pin_chunk, &stop, &done));
         let notes = std::mem::take(&mut buf.notes);
-        inner.host.notes.extend(notes);
+        self.host.notes.extend(notes);
         // Cached even after a failure: its pinned cells serve the next sleep.
-        inner.host.cache(buf)?;
+        self.host.cache(buf)?;
         pinned
-    }
-
-    /// Bytes of the arena a sleep offloading `tags` would need now: their awake allocations, except those of
-    /// tags whose policy is not to back up and those with a retained backup (which need no new arena). What to
-    /// pin ahead when the allocations of those tags have been made.
-    pub fn backup_bytes_of<S: AsRef<str>>(&self, tags: &[S]) -> Result<usize> {
-        let wanted = super::tag_set(tags);
-        let inner = self.lock_open()?;
-        Ok((inner.reg.iter())
-            .filter(|a| a.is_awake() && wanted.contains(&*a.tag))
-            .filter(|a| {
-                inner.policies.pause_backup(&a.tag) && !inner.retained.contains_key(&a.addr)
-            })
-            .map(|a| a.size)
-            .sum())
     }
 
     /// The background pinning worker's progress (not running when none was started or it was collected).
     pub fn pin_ahead_status(&self) -> PinAheadStatus {
-        let inner = self.inner.lock();
-        inner
-            .pin_ahead
+        self.pin_ahead
             .as_ref()
             .map_or_else(PinAheadStatus::default, |w| PinAheadStatus {
                 running: w.handle.as_ref().is_some_and(|h| !h.is_finished()),
@@ -245,10 +250,14 @@ impl Engine {
             })
     }
 
-    /// Stop background pinning now (the part pinned stays cached for the next sleep).
-    pub fn stop_pinning_ahead(&self) -> Result<()> {
-        let mut inner = self.lock_unpoisoned()?;
-        self.stop_pin_ahead(&mut inner);
-        Ok(())
+    pub fn pin_chunk(&self) -> usize {
+        self.pin_chunk
+    }
+
+    /// A new cell size for pipelined pinning. A buffer pinned ahead in cells of the old size would not match the
+    /// next sleep's cells: the worker is stopped first.
+    pub fn set_pin_chunk(&mut self, chunk: usize, log: &mut ErrorLog) {
+        self.stop_pin_ahead(log);
+        self.pin_chunk = chunk;
     }
 }

@@ -1,0 +1,103 @@
+//! The bound on host backup memory: what the store holds (arenas that backups point into, plus the cached one)
+//! stays within the bytes of the backups still referenced (of allocations asleep with a backup, and the retained
+//! ones of awake allocations, see retain.rs) plus one spare arena no larger than the largest backup a sleep made
+//! (or `reserve_host` asked for).
+//!
+//! Why it needs enforcing: a wake of some tags leaves holes in the arena the others still use, and the next
+//! sleep needs a new arena for what it backs up, so rounds of sleep and partial wake would multiply the memory
+//! held. After every call that can free a backup or make an arena (sleep, wake, free), when the bound is
+//! passed, the cached arena is returned first; if that is not enough, the backups still referenced from arenas
+//! with holes are moved (a host memcpy, with no device copy in flight) into one arena of exactly their size, and
+//! the old arenas are given back. A moved retained backup keeps its fingerprints: same bytes.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use super::{Backup, BackupStore};
+use crate::driver::DevPtr;
+use crate::error::Result;
+use crate::error_log::ErrorLog;
+
+impl BackupStore {
+    /// Bring the host memory held back within its bound (see the module comment). Failures are recorded: the
+    /// backups stay where they are, correct, and the next call tries again.
+    pub(super) fn bound(&mut self, log: &mut ErrorLog) {
+        if self.within_bound() {
+            return;
+        }
+        if let Err(e) = self.host.trim() {
+            log.record("returning cached host backup memory", &e);
+        }
+        if self.within_bound() {
+            return;
+        }
+        if let Err(e) = self.compact(log) {
+            log.record(
+                "compacting host backups (host memory stays above its bound until a later call)",
+                &e,
+            );
+        }
+        self.give_back_unused(log);
+        if !self.within_bound() {
+            if let Err(e) = self.host.trim() {
+                log.record("returning cached host backup memory", &e);
+            }
+        }
+    }
+
+    /// The most host memory the bound allows now beside `extra` more bytes of spare (`reserve_host`).
+    pub(super) fn allowed_with_spare(&self, spare: usize) -> usize {
+        self.referenced_bytes()
+            .saturating_add(self.largest.max(spare))
+    }
+
+    fn referenced_bytes(&self) -> usize {
+        self.asleep_bytes + self.retention.retained_bytes()
+    }
+
+    fn within_bound(&self) -> bool {
+        let held = self.held();
+        // Cheap first: with nothing asleep or retained this is all a free needs to look at.
+        held <= self.largest || held <= self.allowed_with_spare(0)
+    }
+
+    /// Move the backups in arenas with unused bytes into one new arena of exactly their size.
+    fn compact(&mut self, log: &mut ErrorLog) -> Result<()> {
+        // (allocation, its backup, retained by an awake allocation)
+        let mut moves: Vec<(DevPtr, Backup, bool)> = (self.asleep.iter())
+            .map(|(a, b)| (*a, b.clone(), false))
+            .chain(self.retention.backups().map(|(a, b)| (a, b.clone(), true)))
+            .collect();
+        let mut used: HashMap<usize, usize> = HashMap::new(); // arena address -> bytes of backups in it
+        for (_, b, _) in &moves {
+            *used.entry(Arc::as_ptr(&b.arena) as usize).or_default() += b.len;
+        }
+        moves.retain(|(_, b, _)| used[&(Arc::as_ptr(&b.arena) as usize)] < b.arena.len());
+        let total: usize = moves.iter().map(|m| m.1.len).sum();
+        if total == 0 {
+            return Ok(());
+        }
+        let acquired = self.host.acquire(total);
+        self.record_host_fallbacks(log);
+        let mut buf = acquired?;
+        let mut offset = 0;
+        let mut placed = Vec::with_capacity(moves.len());
+        for (addr, b, retained) in moves {
+            buf.copy_from(offset, &b.arena, b.offset, b.len);
+            placed.push((addr, offset, b.len, retained));
+            offset += b.len;
+        }
+        let arena = Arc::new(buf);
+        for (addr, offset, len, retained) in placed {
+            let backup = Backup::in_arena(&arena, offset, len);
+            if retained {
+                self.retention.rebind(addr, backup);
+            } else {
+                self.asleep.insert(addr, backup);
+            }
+        }
+        self.arenas.push(arena);
+        log::debug!("backup store: moved {total} bytes of host backups out of arenas with holes");
+        Ok(())
+    }
+}

@@ -1,0 +1,312 @@
+//! The backup store: the one owner of every host backup.
+//!
+//! Where an allocation's backed-up contents live (`Backup`: a piece of a shared pinned host arena), the arenas
+//! themselves and the cached one kept for the next sleep (`HostPool`), the bound on the host memory they hold
+//! (bound.rs), backups kept bound to awake allocations with their chunk fingerprints (retain.rs), and the
+//! background worker that pins the next sleep's arena ahead of time (pin_ahead.rs) all live here. The engine
+//! decides when an allocation sleeps or wakes; it asks this store for an arena to copy into, hands it the backups
+//! a sleep made (`keep`) and takes them back at wake (`take`). A codec or a file tier plugs in here, behind
+//! `Backup`, not into the engine.
+//!
+//! Every method that cannot raise what went wrong (a fallback taken, a release refused) records it in the
+//! caller's `ErrorLog`.
+
+mod bound;
+mod pin_ahead;
+mod retain;
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use crate::driver::{DevPtr, Driver};
+use crate::error::Result;
+use crate::error_log::ErrorLog;
+use crate::host::{HostBuffer, HostPool};
+
+pub use pin_ahead::PinAheadStatus;
+use pin_ahead::HostRoom;
+pub use retain::SleepPrints;
+
+/// Host arena cell pinned at a time during a cold sleep: large enough that per-call overheads vanish, small
+/// enough that the first copies start early.
+pub const DEFAULT_PIN_CHUNK: usize = 512 << 20;
+
+/// Context of a recorded failure to start a worker thread.
+pub const THREAD_REFUSED: &str = "starting a worker thread (its work ran on the calling thread)";
+
+/// Where one allocation's backed-up contents are: `len` bytes at `offset` of a shared host arena.
+#[derive(Clone)]
+pub struct Backup {
+    arena: Arc<HostBuffer>,
+    offset: usize,
+    len: usize,
+}
+
+impl Backup {
+    /// The piece [offset, offset+len) of `arena`.
+    pub fn in_arena(arena: &Arc<HostBuffer>, offset: usize, len: usize) -> Backup {
+        Backup {
+            arena: arena.clone(),
+            offset,
+            len,
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// `out.len()` bytes from `at` bytes into the backup.
+    pub fn read_at(&self, at: usize, out: &mut [u8]) {
+        assert!(at + out.len() <= self.len, "read past the backup's end");
+        self.arena.read_at(self.offset + at, out);
+    }
+
+    /// Whether `next` lies right behind this backup in the same arena (one copy can restore both).
+    fn continued_by(&self, next: &Backup) -> bool {
+        Arc::ptr_eq(&self.arena, &next.arena) && self.offset + self.len == next.offset
+    }
+
+    /// Queue the copy of `len` bytes of the device range at `addr` into the backup, `at` bytes into it.
+    pub fn queue_from_device(&self, device: i32, addr: DevPtr, at: usize, len: usize) -> Result<usize> {
+        self.arena
+            .queue_from_device(device, addr, self.offset + at, len)
+    }
+}
+
+/// The policy knobs of the store, from the engine's configuration.
+#[derive(Debug, Clone, Copy)]
+pub struct StoreConfig {
+    /// Keep backups bound to their allocations across wake (retain.rs).
+    pub retain: bool,
+    /// Bytes per fingerprinted chunk.
+    pub fingerprint_chunk: usize,
+    /// Cell size of pipelined pinning.
+    pub pin_chunk: usize,
+    /// A cap on the host memory pinned for backups, besides what the driver says the host can give.
+    pub host_limit: Option<usize>,
+}
+
+pub struct BackupStore {
+    driver: Arc<dyn Driver>,
+    host: HostPool,
+    /// Host arenas that backups still point into.
+    arenas: Vec<Arc<HostBuffer>>,
+    /// The backups of asleep allocations.
+    asleep: HashMap<DevPtr, Backup>,
+    asleep_bytes: usize,
+    /// The largest backup one sleep made (or `reserve_host` asked for): the spare host memory allowed beside the
+    /// backups still needed (see bound.rs).
+    largest: usize,
+    /// Cell size of pipelined pinning (smaller in tests to exercise cells that split allocations).
+    pin_chunk: usize,
+    pin_ahead: Option<pin_ahead::Worker>,
+    retention: retain::Retention,
+    /// What may still be pinned: the driver's answer and the configured cap.
+    room: HostRoom,
+}
+
+impl BackupStore {
+    pub fn new(driver: Arc<dyn Driver>, config: StoreConfig) -> BackupStore {
+        BackupStore {
+            host: HostPool::new(driver.clone()),
+            arenas: Vec::new(),
+            asleep: HashMap::new(),
+            asleep_bytes: 0,
+            largest: 0,
+            pin_chunk: config.pin_chunk,
+            pin_ahead: None,
+            retention: retain::Retention::new(config.retain, config.fingerprint_chunk),
+            room: HostRoom {
+                driver: driver.clone(),
+                cap: config.host_limit,
+            },
+            driver,
+        }
+    }
+
+    // ----- the backups of asleep allocations ---------------------------------------------------------------
+
+    /// `addr` went to sleep with `backup`.
+    pub fn keep(&mut self, addr: DevPtr, backup: Backup) {
+        self.asleep_bytes += backup.len;
+        if let Some(old) = self.asleep.insert(addr, backup) {
+            self.asleep_bytes -= old.len;
+        }
+    }
+
+    /// The backup of asleep `addr`, if it has one.
+    pub fn backup_of(&self, addr: DevPtr) -> Option<&Backup> {
+        self.asleep.get(&addr)
+    }
+
+    /// `addr` woke: its backup leaves the asleep set (retain.rs may bind it to the awake allocation).
+    pub fn take(&mut self, addr: DevPtr) -> Option<Backup> {
+        let b = self.asleep.remove(&addr)?;
+        self.asleep_bytes -= b.len;
+        Some(b)
+    }
+
+    /// `addr` was freed: its backup, retained backup and prints are dropped; arenas nothing uses go back.
+    pub fn forget(&mut self, addrs: &[DevPtr], log: &mut ErrorLog) {
+        for a in addrs {
+            self.take(*a);
+        }
+        self.retention.drop(addrs);
+        self.collect_unused(log);
+    }
+
+    /// Queue the copies of the backups of `run` (asleep allocations, each `(device, addr)`, contiguous on the
+    /// device in this order) back to the device. Backups that lie back to back in one arena go back as one copy:
+    /// at thousands of small allocations the driver's per-copy cost would otherwise show. Returns the bytes.
+    pub fn queue_restore(&self, run: &[(i32, DevPtr)]) -> Result<usize> {
+        // (first backup, device, device start, length) of the copy being extended.
+        let mut span: Option<(&Backup, i32, DevPtr, usize)> = None;
+        let mut last: Option<&Backup> = None;
+        let mut bytes = 0;
+        for &(device, addr) in run {
+            let b = self.asleep.get(&addr).expect("restored allocations have a backup");
+            bytes += b.len;
+            if let (Some((_, _, _, len)), Some(prev)) = (&mut span, last) {
+                if prev.continued_by(b) {
+                    *len += b.len;
+                    last = Some(b);
+                    continue;
+                }
+            }
+            if let Some((first, device, start, len)) = span.take() {
+                first.arena.queue_to_device(device, start, first.offset, len)?;
+            }
+            span = Some((b, device, addr, b.len));
+            last = Some(b);
+        }
+        if let Some((first, device, start, len)) = span {
+            first.arena.queue_to_device(device, start, first.offset, len)?;
+        }
+        Ok(bytes)
+    }
+
+    // ----- arenas ------------------------------------------------------------------------------------------
+
+    /// The arena a sleep backs `total` bytes up into: the cached one (pinned ahead whole or in part) when it is
+    /// large enough, else a new unpinned one (the cold path pins it cell by cell during the copies). Refused with
+    /// an out-of-memory error, changing nothing, when what is still to pin does not fit in what the host can give.
+    /// The last step of a sleep that may fail with nothing queued.
+    pub fn arena_for_sleep(&mut self, total: usize, log: &mut ErrorLog) -> Result<HostBuffer> {
+        self.largest = self.largest.max(total);
+        // A buffer pinned ahead (whole or in part) is cached from here on.
+        self.stop_pin_ahead(log);
+        let cached = self.host.take_cached(total);
+        if cached.is_none() {
+            self.host.trim()?;
+        }
+        let to_pin = cached.as_ref().map_or(total, |b| b.unpinned_below(total));
+        if let Err(e) = self.room.check(
+            to_pin,
+            "sleep (refused before anything was released: every allocation stays awake)",
+        ) {
+            if let Some(b) = cached {
+                let _ = self.host.cache(b); // as it was; a refused unpin keeps it cached anyway
+            }
+            return Err(e);
+        }
+        match cached {
+            Some(buf) => Ok(buf),
+            None => HostBuffer::map_unpinned(&self.driver, total),
+        }
+    }
+
+    /// Hold `arena` for the backups about to be made in it.
+    pub fn adopt(&mut self, arena: HostBuffer, log: &mut ErrorLog) -> Arc<HostBuffer> {
+        let mut arena = arena;
+        for e in std::mem::take(&mut arena.notes) {
+            log.record(THREAD_REFUSED, &e);
+        }
+        let arena = Arc::new(arena);
+        self.arenas.push(arena.clone());
+        arena
+    }
+
+    /// Arenas no backup points into any more go back to the host pool; then the host memory held is brought
+    /// back within its bound (bound.rs).
+    pub fn collect_unused(&mut self, log: &mut ErrorLog) {
+        self.give_back_unused(log);
+        self.bound(log);
+    }
+
+    fn give_back_unused(&mut self, log: &mut ErrorLog) {
+        for arena in std::mem::take(&mut self.arenas) {
+            match Arc::try_unwrap(arena) {
+                Ok(buf) => {
+                    if let Err(e) = self.host.give_back(buf) {
+                        log.record("returning host backup memory", &e);
+                    }
+                }
+                Err(still_used) => self.arenas.push(still_used),
+            }
+        }
+    }
+
+    /// Record what the host pool absorbed (a registration the fallback served, a thread that could not start).
+    fn record_host_fallbacks(&mut self, log: &mut ErrorLog) {
+        for e in std::mem::take(&mut self.host.fallbacks) {
+            log.record(
+                "pinning host backup memory (served by the fallback allocation)",
+                &e,
+            );
+        }
+        for e in std::mem::take(&mut self.host.notes) {
+            log.record(THREAD_REFUSED, &e);
+        }
+    }
+
+    // ----- host memory -------------------------------------------------------------------------------------
+
+    /// Host bytes held: arenas in use plus cached ones.
+    pub fn held(&self) -> usize {
+        self.arena_bytes() + self.host.cached_bytes()
+    }
+
+    /// Host bytes of the arenas backups point into.
+    pub fn arena_bytes(&self) -> usize {
+        self.arenas.iter().map(|a| a.len()).sum()
+    }
+
+    pub fn cached_bytes(&self) -> usize {
+        self.host.cached_bytes()
+    }
+
+    /// Bytes of the backups of asleep allocations.
+    pub fn asleep_bytes(&self) -> usize {
+        self.asleep_bytes
+    }
+
+    /// Whether cached host memory is kept after a wake.
+    pub fn keeps_host_memory(&self) -> bool {
+        self.host.keep
+    }
+
+    /// Keep cached host memory after wakes (fast next sleep), or give it back (low host RAM: also stops pinning
+    /// ahead and drops every retained backup).
+    pub fn set_keep_host_memory(&mut self, keep: bool, log: &mut ErrorLog) -> Result<()> {
+        self.host.keep = keep;
+        if !keep {
+            self.stop_pin_ahead(log);
+            self.drop_all_retained(log);
+            self.host.trim()?;
+        }
+        Ok(())
+    }
+
+    /// Return the cached host memory (and every retained backup's, after stopping the pin-ahead worker) to the
+    /// OS; the bytes freed.
+    pub fn trim(&mut self, log: &mut ErrorLog) -> Result<usize> {
+        self.stop_pin_ahead(log);
+        self.drop_all_retained(log);
+        self.host.trim()
+    }
+}

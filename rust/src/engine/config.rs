@@ -1,0 +1,114 @@
+//! The engine's configuration: every environment variable the Rust side reads, read once, when an engine is made.
+//! (The README's table of environment variables lists these and the Python-side ones.)
+
+use crate::backups::{StoreConfig, DEFAULT_PIN_CHUNK};
+use crate::fingerprint;
+use crate::host_guard::parse_size;
+
+use super::group::DEFAULT_GROUP_BYTES;
+
+/// `CUMEM_RS_RETAIN_BACKUPS`: `0` turns retained backups off (default on).
+pub const RETAIN_ENV: &str = "CUMEM_RS_RETAIN_BACKUPS";
+/// `CUMEM_RS_WAKE_GROUP_BYTES`: the largest wake group, bytes with `K`/`M`/`G` suffixes; `0` turns groups off.
+pub const WAKE_GROUP_ENV: &str = "CUMEM_RS_WAKE_GROUP_BYTES";
+/// `CUMEM_RS_HOST_MEMORY_LIMIT`: a cap on the host memory backups may take (see `crate::host_guard`).
+pub use crate::host_guard::LIMIT_ENV as HOST_MEMORY_LIMIT_ENV;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct EngineConfig {
+    /// Keep backups bound to their allocations across wake (on by default where the fingerprint kernel runs).
+    pub retain_backups: bool,
+    /// Largest run of neighbours one wake maps on one handle (0: every allocation on its own).
+    pub wake_group_bytes: usize,
+    /// Cell size of pipelined pinning during a cold sleep.
+    pub pin_chunk: usize,
+    /// Bytes per fingerprinted chunk.
+    pub fingerprint_chunk: usize,
+    /// At most this much host memory is pinned for backups (besides what the host and its cgroup allow).
+    pub host_memory_limit: Option<usize>,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        EngineConfig {
+            retain_backups: true,
+            wake_group_bytes: DEFAULT_GROUP_BYTES,
+            pin_chunk: DEFAULT_PIN_CHUNK,
+            fingerprint_chunk: fingerprint::DEFAULT_CHUNK,
+            host_memory_limit: None,
+        }
+    }
+}
+
+impl EngineConfig {
+    /// The defaults, changed by the environment variables set. A value that cannot be read is ignored with a
+    /// warning (a typo must not stop the process from starting).
+    pub fn from_env() -> EngineConfig {
+        Self::from_vars(|name| std::env::var(name).ok())
+    }
+
+    /// As `from_env`, reading variables through `var`.
+    pub fn from_vars(var: impl Fn(&str) -> Option<String>) -> EngineConfig {
+        let mut c = EngineConfig::default();
+        if let Some(v) = var(RETAIN_ENV) {
+            c.retain_backups = v != "0";
+        }
+        if let Some(v) = var(WAKE_GROUP_ENV) {
+            match parse_size(&v) {
+                Some(n) => c.wake_group_bytes = n,
+                None => log::warn!(
+                    "{WAKE_GROUP_ENV}={v:?} is not a byte count; using {}",
+                    c.wake_group_bytes
+                ),
+            }
+        }
+        if let Some(v) = var(HOST_MEMORY_LIMIT_ENV) {
+            // Ignored when unreadable rather than blocking every sleep.
+            c.host_memory_limit = parse_size(&v);
+            if c.host_memory_limit.is_none() {
+                log::warn!("{HOST_MEMORY_LIMIT_ENV}={v:?} is not a byte count; ignored");
+            }
+        }
+        c
+    }
+
+    pub(super) fn store(&self) -> StoreConfig {
+        StoreConfig {
+            retain: self.retain_backups,
+            fingerprint_chunk: self.fingerprint_chunk,
+            pin_chunk: self.pin_chunk,
+            host_limit: self.host_memory_limit,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn with(vars: &[(&str, &str)]) -> EngineConfig {
+        EngineConfig::from_vars(|name| {
+            vars.iter()
+                .find(|(n, _)| *n == name)
+                .map(|(_, v)| v.to_string())
+        })
+    }
+
+    #[test]
+    fn variables_change_their_knob_and_bad_values_keep_the_default() {
+        assert_eq!(with(&[]), EngineConfig::default());
+        assert!(!with(&[(RETAIN_ENV, "0")]).retain_backups);
+        assert!(with(&[(RETAIN_ENV, "1")]).retain_backups);
+        assert_eq!(with(&[(WAKE_GROUP_ENV, "8M")]).wake_group_bytes, 8 << 20);
+        assert_eq!(with(&[(WAKE_GROUP_ENV, "0")]).wake_group_bytes, 0);
+        assert_eq!(
+            with(&[(WAKE_GROUP_ENV, "lots")]).wake_group_bytes,
+            DEFAULT_GROUP_BYTES
+        );
+        assert_eq!(
+            with(&[(HOST_MEMORY_LIMIT_ENV, "1M")]).host_memory_limit,
+            Some(1 << 20)
+        );
+        assert_eq!(with(&[(HOST_MEMORY_LIMIT_ENV, "x")]).host_memory_limit, None);
+    }
+}

@@ -1,0 +1,108 @@
+//! The engine's host-memory controls: what the backup store keeps, retains, reserves and pins ahead. Each takes
+//! the lock and hands the work to the store.
+
+use super::Engine;
+use crate::backups::PinAheadStatus;
+use crate::error::{Error, Result};
+use crate::fingerprint;
+
+impl Engine {
+    /// Cell size of pipelined pinning during a cold sleep, rounded up to whole pages. Zero, or a size that
+    /// cannot be rounded up to a page within `isize::MAX`, is refused.
+    pub fn set_pin_chunk(&self, bytes: usize) -> Result<()> {
+        let page = rustix::param::page_size();
+        let chunk = Some(bytes)
+            .filter(|b| *b > 0)
+            .and_then(|b| b.checked_next_multiple_of(page))
+            .filter(|c| *c <= isize::MAX as usize)
+            .ok_or_else(|| {
+                Error::invalid(format!(
+                    "pin chunk must be between 1 and {} bytes, got {bytes}",
+                    isize::MAX as usize / page * page
+                ))
+            })?;
+        let mut locked = self.lock_open()?;
+        let inner = &mut *locked;
+        inner.backups.set_pin_chunk(chunk, &mut inner.log);
+        Ok(())
+    }
+
+    pub fn set_keep_host_memory(&self, keep: bool) -> Result<()> {
+        let mut locked = self.lock_open()?;
+        let inner = &mut *locked;
+        inner.backups.set_keep_host_memory(keep, &mut inner.log)
+    }
+
+    /// Whether cached host backup memory is kept after a wake (`set_keep_host_memory`).
+    pub fn keep_host_memory(&self) -> Result<bool> {
+        Ok(self.lock_open()?.backups.keeps_host_memory())
+    }
+
+    /// Keep backups bound to their allocations across wake, so that a sleep copies only the chunks that
+    /// changed (on by default where the fingerprint kernel runs). Off drops every retained backup.
+    pub fn set_retain_backups(&self, on: bool) -> Result<()> {
+        let mut locked = self.lock_open()?;
+        let inner = &mut *locked;
+        inner.backups.set_retain(on, &mut inner.log);
+        Ok(())
+    }
+
+    /// Whether wakes keep backups now (policy on, host memory kept, fingerprint kernel available).
+    pub fn retains_backups(&self) -> Result<bool> {
+        Ok(self.lock_open()?.backups.retaining())
+    }
+
+    /// Bytes per fingerprinted chunk: a positive multiple of 16. A change drops every retained backup.
+    pub fn set_fingerprint_chunk(&self, bytes: usize) -> Result<()> {
+        if bytes == 0 || !bytes.is_multiple_of(fingerprint::WORD) || bytes > 1 << 40 {
+            return Err(Error::invalid(format!(
+                "fingerprint chunk must be a positive multiple of {} bytes up to 1 TiB, got {bytes}",
+                fingerprint::WORD
+            )));
+        }
+        let mut locked = self.lock_open()?;
+        let inner = &mut *locked;
+        inner.backups.set_fingerprint_chunk(bytes, &mut inner.log);
+        Ok(())
+    }
+
+    /// Make sure `len` bytes of pinned host memory are cached for the next sleep: now, or (`background`) on a
+    /// worker thread that the next sleep stops and takes over (backups/pin_ahead.rs). Refused with an
+    /// out-of-memory error when the host cannot give that much (a background worker stops at the limit instead,
+    /// recording it).
+    pub fn reserve_host(&self, len: usize, background: bool) -> Result<()> {
+        if len == 0 {
+            return Err(Error::invalid(
+                "reserve_host needs a positive number of bytes",
+            ));
+        }
+        let mut locked = self.lock_open()?;
+        let inner = &mut *locked;
+        if background {
+            inner.backups.start_pin_ahead(len, &mut inner.log)
+        } else {
+            inner.backups.reserve_now(len, &mut inner.log)
+        }
+    }
+
+    /// Return cached host backup memory (and every retained backup's) to the OS; the bytes freed.
+    pub fn trim_host(&self) -> Result<usize> {
+        let mut locked = self.lock_open()?;
+        let inner = &mut *locked;
+        self.retry_pending(inner);
+        inner.backups.trim(&mut inner.log)
+    }
+
+    /// The background pinning worker's progress (not running when none was started or it was collected).
+    pub fn pin_ahead_status(&self) -> Result<PinAheadStatus> {
+        Ok(self.lock_open()?.backups.pin_ahead_status())
+    }
+
+    /// Stop background pinning now (the part pinned stays cached for the next sleep).
+    pub fn stop_pinning_ahead(&self) -> Result<()> {
+        let mut locked = self.lock_open()?;
+        let inner = &mut *locked;
+        inner.backups.stop_pin_ahead(&mut inner.log);
+        Ok(())
+    }
+}

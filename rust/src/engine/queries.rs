@@ -1,0 +1,157 @@
+//! What callers can ask: usage, the allocation list, statistics, per-tag status, the bytes of a backup; and the
+//! tag policies they set. Each answer is read off the components under the lock.
+
+use std::collections::BTreeMap;
+
+use super::{tag_set, AllocationInfo, Engine, Stats, Status, TagPolicy, TagStatus};
+use crate::driver::DevPtr;
+use crate::error::{Error, Result};
+use crate::registry::State;
+
+impl Engine {
+    pub fn usage(&self, device: Option<i32>) -> Result<usize> {
+        Ok(self.lock_open()?.reg.mapped_bytes(device))
+    }
+
+    pub fn allocations(&self) -> Result<Vec<AllocationInfo>> {
+        let inner = self.lock_open()?;
+        Ok(inner
+            .reg
+            .iter()
+            .map(|a| AllocationInfo {
+                addr: a.addr,
+                size: a.size,
+                requested: a.requested,
+                device: a.device,
+                tag: a.tag.to_string(),
+                asleep: !a.is_awake(),
+                backed_up: inner.backups.backup_of(a.addr).is_some(),
+            })
+            .collect())
+    }
+
+    /// Counters and sizes; answers on a closed or poisoned engine too (diagnostics).
+    pub fn stats(&self) -> Stats {
+        let mut locked = self.inner.lock();
+        let inner = &mut *locked;
+        inner.backups.collect_finished_pin_ahead(&mut inner.log);
+        let c = &inner.counters;
+        let asleep = || inner.reg.iter().filter(|a| !a.is_awake());
+        Stats {
+            live_allocations: inner.reg.len(),
+            asleep_allocations: asleep().count(),
+            mapped_bytes: inner.reg.mapped_bytes(None),
+            asleep_bytes: asleep().map(|a| a.size).sum(),
+            peak_mapped_bytes: c.peak_mapped_bytes,
+            host_backup_bytes: inner.backups.arena_bytes(),
+            host_cached_bytes: inner.backups.cached_bytes(),
+            host_retained_bytes: inner.backups.retained_bytes(),
+            retained_allocations: inner.backups.retained_count(),
+            mallocs: c.mallocs,
+            frees: c.frees,
+            sleeps: c.sleeps,
+            wakes: c.wakes,
+            recorded_errors: inner.log.recorded(),
+            pending_releases: inner.pending.len(),
+            wake_groups: inner.groups.len(),
+            unreturned_bytes: inner.groups.unreturned(),
+            last_sleep: c.last_sleep.clone(),
+            last_wake: c.last_wake.clone(),
+        }
+    }
+
+    /// Host backup bytes held: arenas in use by asleep allocations plus cached ones.
+    pub fn host_bytes(&self) -> usize {
+        let mut locked = self.inner.lock();
+        let inner = &mut *locked;
+        inner.backups.collect_finished_pin_ahead(&mut inner.log);
+        inner.backups.held()
+    }
+
+    /// Per tag: allocations, mapped, asleep, backed-up and retained bytes, policy and state; plus whether anything
+    /// sleeps.
+    pub fn status(&self) -> Result<Status> {
+        let inner = self.lock_open()?;
+        let mut tags: BTreeMap<String, TagStatus> = BTreeMap::new();
+        for a in inner.reg.iter() {
+            let t = tags.entry(a.tag.to_string()).or_default();
+            t.allocations += 1;
+            match a.state {
+                State::Awake { .. } => {
+                    t.mapped_bytes += a.size;
+                    if inner.backups.is_retained(a.addr) {
+                        t.retained_bytes += a.size;
+                        t.backup_bytes += a.size;
+                    }
+                }
+                State::Asleep => {
+                    t.asleep_bytes += a.size;
+                    if inner.backups.backup_of(a.addr).is_some() {
+                        t.backup_bytes += a.size;
+                    }
+                }
+            }
+        }
+        for tag in inner.policies.tags() {
+            tags.entry(tag.to_string()).or_default();
+        }
+        for (tag, t) in tags.iter_mut() {
+            t.policy = inner.policies.get(tag);
+        }
+        let is_sleeping = tags.values().any(|t| t.asleep_bytes > 0);
+        Ok(Status { tags, is_sleeping })
+    }
+
+    /// The backed-up contents of [addr, addr+len) while its allocation is asleep with a backup; None while it is
+    /// awake. An asleep allocation without a backup is an error (there is nothing to read).
+    pub fn read_backup(&self, addr: DevPtr, len: usize) -> Result<Option<Vec<u8>>> {
+        let inner = self.lock_open()?;
+        let a = inner.reg.containing(addr, len.max(1)).ok_or_else(|| {
+            Error::invalid(format!(
+                "[{addr:#x}, +{len}) is not inside one live allocation"
+            ))
+        })?;
+        if a.is_awake() {
+            return Ok(None);
+        }
+        let backup = inner.backups.backup_of(a.addr).ok_or_else(|| {
+            Error::InvalidState(format!(
+                "allocation {:#x} (tag {:?}) is asleep without a backup: its contents were released",
+                a.addr, a.tag
+            ))
+        })?;
+        let mut out = vec![0u8; len];
+        backup.read_at((addr - a.addr) as usize, &mut out);
+        Ok(Some(out))
+    }
+
+    /// Bytes of the arena a sleep offloading `tags` would need now: their awake allocations, except those of
+    /// tags whose policy is not to back up and those with a retained backup (which need no new arena). What to
+    /// pin ahead when the allocations of those tags have been made.
+    pub fn backup_bytes_of<S: AsRef<str>>(&self, tags: &[S]) -> Result<usize> {
+        let wanted = tag_set(tags);
+        let inner = self.lock_open()?;
+        Ok((inner.reg.iter())
+            .filter(|a| a.is_awake() && wanted.contains(&*a.tag))
+            .filter(|a| {
+                inner.policies.pause_backup(&a.tag) && !inner.backups.is_retained(a.addr)
+            })
+            .map(|a| a.size)
+            .sum())
+    }
+
+    // ----- policies ---------------------------------------------------------------------------------------
+
+    /// Set the whole policy of `tag` (the default policy clears it).
+    pub fn set_tag_policy(&self, tag: &str, policy: TagPolicy) -> Result<()> {
+        if tag.is_empty() {
+            return Err(Error::invalid("tag must be a non-empty string"));
+        }
+        self.lock_open()?.policies.set(tag, policy);
+        Ok(())
+    }
+
+    pub fn tag_policy(&self, tag: &str) -> Result<TagPolicy> {
+        Ok(self.lock_open()?.policies.get(tag))
+    }
+}
