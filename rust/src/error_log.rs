@@ -44,6 +44,10 @@ mod tests {
         }
         assert_eq!(log.entries().len(), MAX_RECORDED_ERRORS);
         assert_eq!(log.recorded(), (MAX_RECORDED_ERRORS + 5) as u64);
-        assert!(log.entries()[0].starts_with("call 5: "), "{}", log.entries()[0]);
+        assert!(
+            log.entries()[0].starts_with("call 5: "),
+            "{}",
+            log.entries()[0]
+        );
     }
 }

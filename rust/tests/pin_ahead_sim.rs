@@ -151,7 +151,9 @@ fn sleep_after_pinning_ahead_finished() {
 fn close_and_trim_stop_the_worker() {
     let (sim, e) = engine_with(None, 20);
     e.reserve_host(16 * GRAN, true).unwrap();
-    wait_until("first cell", || e.pin_ahead_status().unwrap().pinned >= CELL);
+    wait_until("first cell", || {
+        e.pin_ahead_status().unwrap().pinned >= CELL
+    });
     e.trim_host().unwrap();
     assert!(!e.pin_ahead_status().unwrap().running);
     assert_eq!(
@@ -160,7 +162,9 @@ fn close_and_trim_stop_the_worker() {
         "trim returned the part pinned"
     );
     e.reserve_host(16 * GRAN, true).unwrap();
-    wait_until("first cell", || e.pin_ahead_status().unwrap().pinned >= CELL);
+    wait_until("first cell", || {
+        e.pin_ahead_status().unwrap().pinned >= CELL
+    });
     e.close().unwrap();
     assert_no_leaks(&sim);
     // Dropped while pinning: the drop joins the worker, which unpins what it pinned.
@@ -234,4 +238,39 @@ fn a_refused_worker_thread_is_recorded_and_the_sleep_pins_itself() {
     check(&e, &allocs);
     e.close().unwrap();
     assert_no_leaks(&sim);
+}
+
+/// Host bytes the README's bound allows: backups still needed plus one spare no larger than the largest backup or
+/// reservation.
+fn bound(e: &Engine, largest: usize) -> usize {
+    let asleep: usize = (e.allocations().unwrap().iter())
+        .filter(|a| a.backed_up)
+        .map(|a| a.size)
+        .sum();
+    asleep + e.stats().host_retained_bytes + largest
+}
+
+#[test]
+fn reserving_again_while_a_small_backup_holds_the_reserved_arena_stays_within_the_bound() {
+    for background in [false, true] {
+        let (_sim, e) = engine_with(None, 0);
+        let big = 64 << 20;
+        e.reserve_host(big, false).unwrap();
+        let a = fill(&e, &[GRAN]);
+        e.pause(Some(&["default"])).unwrap(); // the 2 MiB backup goes into the reserved 64 MiB arena
+        e.reserve_host(big, background).unwrap();
+        if background {
+            wait_until("worker done", || !e.pin_ahead_status().unwrap().running);
+        }
+        let held = e.host_bytes();
+        assert!(
+            held <= bound(&e, big),
+            "background={background}: {held} bytes held, bound {}",
+            bound(&e, big)
+        );
+        assert!(held >= big, "the reservation is kept: {held}");
+        e.resume(None::<&[&str]>).unwrap();
+        check(&e, &a);
+        e.close().unwrap();
+    }
 }

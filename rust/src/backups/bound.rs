@@ -45,7 +45,25 @@ impl BackupStore {
         }
     }
 
-    /// The most host memory the bound allows now beside `extra` more bytes of spare (`reserve_host`).
+    /// Before a spare of `len` bytes is reserved (`reserve_host`, pinning ahead): when holding it beside what is
+    /// held now would pass the bound, the backups in arenas with holes are compacted first, so that the arena
+    /// they leave is the one the reservation reuses instead of a second one beside it.
+    pub(super) fn make_room_for_spare(&mut self, len: usize, log: &mut ErrorLog) {
+        // The pool caches one buffer (the largest offered), which the reservation reuses when large enough.
+        let wanted = len.saturating_sub(self.host.cached_bytes());
+        if self.held().saturating_add(wanted) <= self.allowed_with_spare(len) {
+            return;
+        }
+        if let Err(e) = self.compact(log) {
+            log.record(
+                "compacting host backups before a reservation (host memory may stay above its bound)",
+                &e,
+            );
+        }
+        self.give_back_unused(log);
+    }
+
+    /// The most host memory the bound allows now with a spare of `spare` bytes (`reserve_host`).
     pub(super) fn allowed_with_spare(&self, spare: usize) -> usize {
         self.referenced_bytes()
             .saturating_add(self.largest.max(spare))

@@ -23,8 +23,8 @@ use crate::error::Result;
 use crate::error_log::ErrorLog;
 use crate::host::{HostBuffer, HostPool};
 
-pub use pin_ahead::PinAheadStatus;
 use pin_ahead::HostRoom;
+pub use pin_ahead::PinAheadStatus;
 pub use retain::SleepPrints;
 
 /// Host arena cell pinned at a time during a cold sleep: large enough that per-call overheads vanish, small
@@ -72,7 +72,13 @@ impl Backup {
     }
 
     /// Queue the copy of `len` bytes of the device range at `addr` into the backup, `at` bytes into it.
-    pub fn queue_from_device(&self, device: i32, addr: DevPtr, at: usize, len: usize) -> Result<usize> {
+    pub fn queue_from_device(
+        &self,
+        device: i32,
+        addr: DevPtr,
+        at: usize,
+        len: usize,
+    ) -> Result<usize> {
         self.arena
             .queue_from_device(device, addr, self.offset + at, len)
     }
@@ -169,7 +175,10 @@ impl BackupStore {
         let mut last: Option<&Backup> = None;
         let mut bytes = 0;
         for &(device, addr) in run {
-            let b = self.asleep.get(&addr).expect("restored allocations have a backup");
+            let b = self
+                .asleep
+                .get(&addr)
+                .expect("restored allocations have a backup");
             bytes += b.len;
             if let (Some((_, _, _, len)), Some(prev)) = (&mut span, last) {
                 if prev.continued_by(b) {
@@ -179,13 +188,17 @@ impl BackupStore {
                 }
             }
             if let Some((first, device, start, len)) = span.take() {
-                first.arena.queue_to_device(device, start, first.offset, len)?;
+                first
+                    .arena
+                    .queue_to_device(device, start, first.offset, len)?;
             }
             span = Some((b, device, addr, b.len));
             last = Some(b);
         }
         if let Some((first, device, start, len)) = span {
-            first.arena.queue_to_device(device, start, first.offset, len)?;
+            first
+                .arena
+                .queue_to_device(device, start, first.offset, len)?;
         }
         Ok(bytes)
     }

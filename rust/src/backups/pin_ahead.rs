@@ -17,8 +17,8 @@ use std::thread::JoinHandle;
 use super::{BackupStore, THREAD_REFUSED};
 use crate::driver::Driver;
 use crate::error::{Error, Result};
-use crate::host::HostBuffer;
 use crate::error_log::ErrorLog;
+use crate::host::HostBuffer;
 use crate::host_guard::LIMIT_ENV;
 
 /// Context of the errors a worker recorded.
@@ -184,6 +184,7 @@ impl BackupStore {
             return Ok(()); // already pinning enough (a block of the same tags ended again)
         }
         self.stop_pin_ahead(log);
+        self.make_room_for_spare(len, log);
         let buf = match self.host.take_cached(len) {
             Some(b) if b.unpinned_below(b.len()) == 0 => return self.host.cache(b),
             Some(b) => b,
@@ -222,6 +223,7 @@ impl BackupStore {
 
     fn reserve_pinned(&mut self, len: usize, log: &mut ErrorLog) -> Result<()> {
         self.stop_pin_ahead(log);
+        self.make_room_for_spare(len, log);
         let what = format!("reserve_host({len}), refused,");
         let Some(mut buf) = self.host.take_cached(len) else {
             self.host.trim()?;

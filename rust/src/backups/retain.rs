@@ -312,7 +312,12 @@ impl BackupStore {
         for &addr in &sp.retained {
             let a = reg.get(addr).expect("selected");
             let (device, size) = (a.device, a.size);
-            let backup = self.retention.retained.get(&addr).expect("split on it").clone();
+            let backup = self
+                .retention
+                .retained
+                .get(&addr)
+                .expect("split on it")
+                .clone();
             let before = self.retention.prints.get(&addr).expect("split on it");
             let after = sp.now.get(&addr);
             // Runs of changed chunks, each copied with as few calls as the arena's pinned pieces allow.

@@ -109,6 +109,9 @@ mod tests {
             with(&[(HOST_MEMORY_LIMIT_ENV, "1M")]).host_memory_limit,
             Some(1 << 20)
         );
-        assert_eq!(with(&[(HOST_MEMORY_LIMIT_ENV, "x")]).host_memory_limit, None);
+        assert_eq!(
+            with(&[(HOST_MEMORY_LIMIT_ENV, "x")]).host_memory_limit,
+            None
+        );
     }
 }

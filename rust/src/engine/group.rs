@@ -19,9 +19,9 @@
 use std::collections::HashMap;
 
 use super::{Engine, Inner, Report};
+use crate::backups::Backup;
 use crate::driver::{DevPtr, PhysHandle};
 use crate::error::{Error, Result};
-use crate::backups::Backup;
 use crate::registry::{Backing, State};
 
 /// Largest group formed at wake (bytes). 32 MiB turns 6144 allocations of 2 MiB into 384 handles (measured

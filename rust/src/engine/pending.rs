@@ -8,12 +8,21 @@ use crate::error_log::ErrorLog;
 /// A driver release that failed after the point of no return, retried by later calls.
 #[derive(Debug, Clone, Copy)]
 enum Pending {
-    Unmap { addr: DevPtr, size: usize },
+    Unmap {
+        addr: DevPtr,
+        size: usize,
+    },
     Release(PhysHandle),
     /// Give an allocation's addresses back to the address space (after its queued unmap).
-    ReturnAddress { addr: DevPtr, size: usize },
+    ReturnAddress {
+        addr: DevPtr,
+        size: usize,
+    },
     /// Free a whole reservation (an emptied slab).
-    FreeRange { addr: DevPtr, size: usize },
+    FreeRange {
+        addr: DevPtr,
+        size: usize,
+    },
 }
 
 impl Pending {
@@ -103,7 +112,12 @@ impl PendingReleases {
     }
 
     /// Retry queued releases in order (unmaps before releases before address frees); keep those that fail again.
-    pub(super) fn retry(&mut self, driver: &dyn Driver, log: &mut ErrorLog, vas: &mut AddressSpace) {
+    pub(super) fn retry(
+        &mut self,
+        driver: &dyn Driver,
+        log: &mut ErrorLog,
+        vas: &mut AddressSpace,
+    ) {
         if self.queue.is_empty() {
             return;
         }

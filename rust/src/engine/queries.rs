@@ -133,9 +133,7 @@ impl Engine {
         let inner = self.lock_open()?;
         Ok((inner.reg.iter())
             .filter(|a| a.is_awake() && wanted.contains(&*a.tag))
-            .filter(|a| {
-                inner.policies.pause_backup(&a.tag) && !inner.backups.is_retained(a.addr)
-            })
+            .filter(|a| inner.policies.pause_backup(&a.tag) && !inner.backups.is_retained(a.addr))
             .map(|a| a.size)
             .sum())
     }

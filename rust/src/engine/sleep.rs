@@ -47,7 +47,12 @@ impl Engine {
         self.retry_pending(inner);
         let (mut backed, mut bare) = (Vec::new(), Vec::new());
         for a in inner.reg.iter().filter(|a| a.is_awake() && wanted(a)) {
-            if backup(&inner.policies, a) { &mut backed } else { &mut bare }.push(a.addr);
+            if backup(&inner.policies, a) {
+                &mut backed
+            } else {
+                &mut bare
+            }
+            .push(a.addr);
         }
         self.sleep_targets(inner, backed, bare, start)
     }
@@ -89,9 +94,10 @@ impl Engine {
 
         // 2. Fingerprint every offloaded allocation, first on the copy streams so that the result does not wait
         //    for the copies: the retained ones to find their changed chunks, all to let the next sleep skip.
-        let mut prints = inner
-            .backups
-            .begin_sleep_prints(&inner.reg, retained, &backed, &mut inner.log);
+        let mut prints =
+            inner
+                .backups
+                .begin_sleep_prints(&inner.reg, retained, &backed, &mut inner.log);
 
         // 3. Queue the backup copies.
         let mut first_err = None;
@@ -101,9 +107,10 @@ impl Engine {
         }
 
         // 4. Compare the fingerprints; queue the copies of changed chunks into the retained backups.
-        let changed_queued = inner
-            .backups
-            .issue_changed_chunks(&inner.reg, &mut prints, &mut inner.log);
+        let changed_queued =
+            inner
+                .backups
+                .issue_changed_chunks(&inner.reg, &mut prints, &mut inner.log);
         let changed_ok = changed_queued.is_ok();
         if let Err(e) = changed_queued {
             first_err.get_or_insert(e);
@@ -172,10 +179,13 @@ impl Engine {
         if transfer::all_pinned(&arena, jobs, cell_size) {
             let arena = inner.backups.adopt(arena, &mut inner.log);
             let mut rel = CellRelease::new(jobs, cell_size, arena.clone());
-            let (in_flight, result) =
-                transfer::issue_copy_out_pinned(&*self.driver, &arena, jobs, cell_size, |done, waited| {
-                    rel.finish(self, inner, done, waited, report, first_err)
-                });
+            let (in_flight, result) = transfer::issue_copy_out_pinned(
+                &*self.driver,
+                &arena,
+                jobs,
+                cell_size,
+                |done, waited| rel.finish(self, inner, done, waited, report, first_err),
+            );
             if let Err(e) = result {
                 first_err.get_or_insert(e);
             }
