@@ -59,6 +59,16 @@ const POISONED: &str = "the allocator is unusable: a call panicked (an internal 
     allocator's lock, so its records may be inconsistent; every later call is refused (errors() and stats() \
     still answer) and its memory is returned when the process exits";
 
+/// Why every call of an engine fails in a process forked from the one that made it.
+fn forked_error(parent: u32) -> Error {
+    Error::InvalidState(format!(
+        "CUDA state cannot be used after fork: this allocator belongs to process {parent}, and this process ({}) \
+         is a fork of it; create the allocator in this process, or start it with the 'spawn' or 'forkserver' \
+         method",
+        std::process::id()
+    ))
+}
+
 /// Whether the engine still takes calls.
 #[derive(Debug, Default, Clone, Copy)]
 struct Life {
@@ -83,6 +93,9 @@ struct Inner {
 
 pub struct Engine {
     id: u64,
+    /// The process that made the engine: a forked child (another pid) must not touch its driver state, its
+    /// worker threads (which do not exist in the child) or its lock (which a parent thread may have held).
+    pid: u32,
     driver: Arc<dyn Driver>,
     granularity: Vec<usize>,
     inner: Mutex<Inner>,
@@ -128,6 +141,22 @@ impl Drop for Locked<'_> {
     }
 }
 
+impl Inner {
+    fn new(driver: Arc<dyn Driver>, config: &EngineConfig) -> Inner {
+        Inner {
+            reg: Registry::default(),
+            vas: AddressSpace::default(),
+            backups: BackupStore::new(driver, config.store()),
+            groups: group::Groups::new(config.wake_group_bytes),
+            pending: PendingReleases::default(),
+            policies: Policies::default(),
+            log: ErrorLog::default(),
+            counters: Counters::default(),
+            life: Life::default(),
+        }
+    }
+}
+
 fn tag_set<S: AsRef<str>>(tags: &[S]) -> HashSet<&str> {
     tags.iter().map(AsRef::as_ref).collect()
 }
@@ -143,19 +172,10 @@ impl Engine {
         let granularity = (0..devices as i32)
             .map(|d| driver.granularity(d))
             .collect::<Result<Vec<_>>>()?;
-        let inner = Inner {
-            reg: Registry::default(),
-            vas: AddressSpace::default(),
-            backups: BackupStore::new(driver.clone(), config.store()),
-            groups: group::Groups::new(config.wake_group_bytes),
-            pending: PendingReleases::default(),
-            policies: Policies::default(),
-            log: ErrorLog::default(),
-            counters: Counters::default(),
-            life: Life::default(),
-        };
+        let inner = Inner::new(driver.clone(), &config);
         Ok(Engine {
             id: NEXT_ENGINE_ID.fetch_add(1, Ordering::Relaxed),
+            pid: std::process::id(),
             driver,
             granularity,
             inner: Mutex::new(inner),
@@ -330,8 +350,23 @@ impl Engine {
         }
     }
 
-    /// The lock, unless a panic poisoned the engine.
+    /// True in a process forked from the one that made this engine: every call is refused there.
+    pub fn forked(&self) -> bool {
+        std::process::id() != self.pid
+    }
+
+    /// Err in a forked child (see `forked`).
+    pub fn check_not_forked(&self) -> Result<()> {
+        match self.forked() {
+            true => Err(forked_error(self.pid)),
+            false => Ok(()),
+        }
+    }
+
+    /// The lock, unless a panic poisoned the engine or this is a forked child (checked before locking: a thread
+    /// of the parent may have held the lock when it forked).
     fn lock_unpoisoned(&self) -> Result<Locked<'_>> {
+        self.check_not_forked()?;
         let inner = self.lock();
         if inner.life.poisoned {
             return Err(Error::InvalidState(POISONED.into()));
@@ -446,6 +481,13 @@ impl Engine {
 
 impl Drop for Engine {
     fn drop(&mut self) {
+        if self.forked() {
+            // Nothing here is this process's to release: no driver call, no join of a worker thread that exists
+            // only in the parent. The state is leaked (the child's copy of the parent's memory goes at its exit).
+            let empty = Inner::new(self.driver.clone(), &EngineConfig::default());
+            std::mem::forget(std::mem::replace(self.inner.get_mut(), empty));
+            return;
+        }
         // Nobody is left to report to; whatever could not be released is the driver's (or the OS's) at exit. A
         // panic must not escape a drop (during an unwind it would abort the process).
         let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.close()));
