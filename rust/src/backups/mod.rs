@@ -323,3 +323,77 @@ impl BackupStore {
         self.host.trim()
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::driver::sim::{SimConfig, SimDriver};
+
+    const GRAN: usize = 64 << 10;
+
+    fn store() -> (Arc<SimDriver>, BackupStore) {
+        let sim = Arc::new(
+            SimDriver::new(SimConfig {
+                granularity: GRAN,
+                ..SimConfig::default()
+            })
+            .unwrap(),
+        );
+        let config = StoreConfig {
+            retain: true,
+            fingerprint_chunk: GRAN,
+            pin_chunk: GRAN,
+            host_limit: None,
+        };
+        (sim.clone(), BackupStore::new(sim, config))
+    }
+
+    #[test]
+    fn backups_are_kept_counted_taken_and_their_arena_returned_when_unused() {
+        let (_sim, mut s) = store();
+        let mut log = ErrorLog::default();
+        let arena = s.arena_for_sleep(3 * GRAN, &mut log).unwrap();
+        let arena = s.adopt(arena, &mut log);
+        for i in 0..3 {
+            s.keep(
+                0x1000_0000 + (i * GRAN) as u64,
+                Backup::in_arena(&arena, i * GRAN, GRAN),
+            );
+        }
+        drop(arena);
+        assert_eq!((s.asleep_bytes(), s.arena_bytes()), (3 * GRAN, 3 * GRAN));
+        let b = s.take(0x1000_0000).unwrap();
+        assert_eq!(b.len(), GRAN);
+        assert!(s.take(0x1000_0000).is_none(), "taken once");
+        drop(b);
+        s.forget(
+            &[0x1000_0000 + GRAN as u64, 0x1000_0000 + 2 * GRAN as u64],
+            &mut log,
+        );
+        assert_eq!(s.asleep_bytes(), 0);
+        assert_eq!(
+            s.arena_bytes(),
+            0,
+            "no backup points into the arena: given back"
+        );
+        assert_eq!(s.cached_bytes(), 3 * GRAN, "kept for the next sleep");
+        assert_eq!(log.recorded(), 0);
+    }
+
+    #[test]
+    fn backups_back_to_back_in_one_arena_are_told_apart_from_others() {
+        let (_sim, mut s) = store();
+        let mut log = ErrorLog::default();
+        let arena = s.arena_for_sleep(2 * GRAN, &mut log).unwrap();
+        let arena = s.adopt(arena, &mut log);
+        let (a, b) = (
+            Backup::in_arena(&arena, 0, GRAN),
+            Backup::in_arena(&arena, GRAN, GRAN),
+        );
+        assert!(a.continued_by(&b));
+        assert!(!b.continued_by(&a));
+        let other = s.arena_for_sleep(GRAN, &mut log).unwrap();
+        let other = s.adopt(other, &mut log);
+        assert!(!a.continued_by(&Backup::in_arena(&other, GRAN, 0)));
+    }
+}

@@ -148,3 +148,45 @@ impl PendingReleases {
         })
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::driver::sim::{SimConfig, SimDriver};
+    use crate::driver::Op;
+
+    const GRAN: usize = 64 << 10;
+
+    #[test]
+    fn a_refused_release_is_retried_in_order_and_addresses_wait_for_their_unmap() {
+        let sim = SimDriver::new(SimConfig {
+            granularity: GRAN,
+            ..SimConfig::default()
+        })
+        .unwrap();
+        let (mut q, mut log, mut vas) = (
+            PendingReleases::default(),
+            ErrorLog::default(),
+            AddressSpace::default(),
+        );
+        let addr = vas.alloc(&sim, 0, GRAN, GRAN).unwrap();
+        let h = sim.create(0, GRAN).unwrap();
+        sim.map(addr, GRAN, h).unwrap();
+        sim.inject_fault(Op::Unmap, 1, 999).unwrap();
+        q.unmap_or_queue(&sim, &mut log, addr, GRAN);
+        q.release_or_queue(&sim, &mut log, h);
+        q.return_address(&sim, &mut log, &mut vas, addr, GRAN);
+        assert_eq!(q.len(), 2, "unmap queued, return queued behind it");
+        assert_eq!(log.recorded(), 1);
+        // The addresses are not handed out again while their unmap is queued.
+        let other = vas.alloc(&sim, 0, GRAN, GRAN).unwrap();
+        assert_ne!(other, addr);
+        q.retry(&sim, &mut log, &mut vas);
+        assert!(q.is_empty());
+        assert_eq!(
+            vas.alloc(&sim, 0, GRAN, GRAN).unwrap(),
+            addr,
+            "returned after the retry"
+        );
+    }
+}

@@ -93,3 +93,34 @@ impl Policies {
         self.0.keys().map(String::as_str)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn unset_policies_follow_vllm_for_sleep_and_keep_data_for_pause() {
+        let p = Policies::default();
+        assert!(p.sleep_backup(DEFAULT_TAG) && !p.sleep_backup("kv_cache"));
+        assert!(p.pause_backup("kv_cache"));
+        assert!(!p.zero_on_wake("kv_cache"));
+    }
+
+    #[test]
+    fn a_policy_overrides_the_defaults_and_the_default_policy_clears_it() {
+        let mut p = Policies::default();
+        let no_backup_zero = TagPolicy {
+            backup: Some(false),
+            wake_fill: WakeFill::Zero,
+        };
+        p.set("kv_cache", no_backup_zero);
+        p.set(DEFAULT_TAG, no_backup_zero);
+        assert!(!p.pause_backup("kv_cache") && !p.sleep_backup(DEFAULT_TAG));
+        assert!(p.zero_on_wake("kv_cache"));
+        assert_eq!(p.tags().count(), 2);
+        p.set("kv_cache", TagPolicy::default());
+        assert_eq!(p.tags().collect::<Vec<_>>(), vec![DEFAULT_TAG]);
+        assert_eq!(WakeFill::parse("zero"), Ok(WakeFill::Zero));
+        assert!(WakeFill::parse("ones").is_err());
+    }
+}
