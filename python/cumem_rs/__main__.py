@@ -15,7 +15,8 @@ import platform
 import sys
 from typing import Any, Callable, Iterator, Optional
 
-from . import bench, bench_multi
+from . import bench
+from .bench import multi as bench_multi
 from .workload import (
     add_workload_arguments,
     DEFAULT_KV_GIB,
