@@ -13,6 +13,7 @@ import argparse
 import contextlib
 import platform
 import sys
+from collections.abc import Mapping
 from typing import Any, Callable, Iterator, Optional
 
 from . import bench
@@ -117,7 +118,7 @@ class _Steps:
         return 0
 
 
-def _report(report: dict, *keys: str) -> Optional[int]:
+def _report(report: Mapping[str, Any], *keys: str) -> Optional[int]:
     # The extension reports "copied_bytes"/"discarded_bytes"; its stub documents "backed_up"/"discarded".
     for k in keys:
         if k in report:

@@ -36,14 +36,15 @@ import logging
 import os
 import re
 import threading
-from collections.abc import Iterable, Iterator
-from typing import Literal, Optional, Union
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any, Optional, Union
 
 import torch
 
 from . import _native
-from ._native import Allocator, ClosedError, CumemError
+from ._native import Allocator, ClosedError, CumemError, CumemTypeError, CumemValueError
 from .logs import forward_native_logs
+from .results import Report, Status, WakeFill
 
 logger = logging.getLogger("cumem_rs")
 
@@ -69,7 +70,6 @@ PIN_AHEAD_TAGS = ("weights", "default")
 _GiB = float(1 << 30)
 
 TagArg = Union[str, Iterable[str]]
-WakeFill = Literal["undefined", "zero"]
 
 
 # --- argument checks ---------------------------------------------------------------------------------------------
@@ -77,9 +77,9 @@ WakeFill = Literal["undefined", "zero"]
 
 def _check_tag(tag: object) -> str:
     if not isinstance(tag, str):
-        raise TypeError(f"a tag must be a str, got {type(tag).__name__}")
+        raise CumemTypeError(f"a tag must be a str, got {type(tag).__name__}")
     if not tag:
-        raise ValueError("a tag must be a non-empty str")
+        raise CumemValueError("a tag must be a non-empty str")
     return tag
 
 
@@ -88,7 +88,7 @@ def _tag_tuple(tags: object, name: str) -> tuple[str, ...]:
     if isinstance(tags, str):
         return (_check_tag(tags),)
     if isinstance(tags, (bytes, bytearray)) or not isinstance(tags, Iterable):
-        raise TypeError(f"{name} must be a str or a collection of str, got {type(tags).__name__}")
+        raise CumemTypeError(f"{name} must be a str or a collection of str, got {type(tags).__name__}")
     return tuple(_check_tag(t) for t in tags)
 
 
@@ -205,7 +205,7 @@ def _pluggable() -> torch.cuda.memory.CUDAPluggableAllocator:
 # --- logging --------------------------------------------------------------------------------------------------------
 
 
-def _report_bytes(report: dict, *keys: str) -> int:
+def _report_bytes(report: Mapping[str, Any], *keys: str) -> int:
     """A byte count from a core report, by the first key present (the documented name first)."""
     for key in keys:
         value = report.get(key)
@@ -286,7 +286,7 @@ class CuMemAllocator:
     @sleep_gc.setter
     def sleep_gc(self, mode: str) -> None:
         if mode not in SLEEP_GC_MODES:
-            raise ValueError(f"sleep_gc must be one of {SLEEP_GC_MODES}, got {mode!r}")
+            raise CumemValueError(f"sleep_gc must be one of {SLEEP_GC_MODES}, got {mode!r}")
         self._sleep_gc = mode
 
     # -- introspection --
@@ -417,7 +417,7 @@ class CuMemAllocator:
 
     # -- sleep / wake --
 
-    def sleep(self, offload_tags: Optional[TagArg] = None) -> dict:
+    def sleep(self, offload_tags: Optional[TagArg] = None) -> Report:
         """Back up the allocations of `offload_tags` to host memory and release the physical memory of all.
 
         None means ("default",), a str one tag, an empty collection backs up nothing. Allocations already asleep
@@ -438,7 +438,7 @@ class CuMemAllocator:
         self._log_release("sleep", "tags per policy" if tags is None else list(tags), report)
         return report
 
-    def wake_up(self, tags: Optional[TagArg] = None) -> dict:
+    def wake_up(self, tags: Optional[TagArg] = None) -> Report:
         """Map memory at the same addresses again and restore the backups.
 
         None wakes everything asleep. Otherwise `tags` selects among the deferrable tags ("weights", "kv_cache")
@@ -455,7 +455,7 @@ class CuMemAllocator:
         self._log_restore("wake_up", "all tags" if wanted is None else wanted, report)
         return report
 
-    def discard(self, tags: TagArg) -> dict:
+    def discard(self, tags: TagArg) -> Report:
         """Release the physical memory of the awake allocations of `tags` without backup (contents undefined after
         the next wake). Other tags are untouched."""
         wanted = _tag_tuple(tags, "tags")
@@ -480,13 +480,13 @@ class CuMemAllocator:
         """
         tag = _check_tag(tag)
         if backup is not None and not isinstance(backup, bool):
-            raise TypeError(f"backup must be a bool or None, got {type(backup).__name__}")
+            raise CumemTypeError(f"backup must be a bool or None, got {type(backup).__name__}")
         if wake_fill not in ("undefined", "zero"):
-            raise ValueError(f"wake_fill must be 'undefined' or 'zero', got {wake_fill!r}")
+            raise CumemValueError(f"wake_fill must be 'undefined' or 'zero', got {wake_fill!r}")
         self._check_open()
         self._native.set_tag_policy(tag, backup, wake_fill)
 
-    def pause(self, tags: Optional[TagArg] = None) -> dict:
+    def pause(self, tags: Optional[TagArg] = None) -> Report:
         """Release the awake memory of `tags` only (None: every tag), backed up per their policy (unset: backed
         up). Other tags keep their memory and their kernels keep running; only the devices holding paused
         memory are synchronized. Pausing a paused tag is a no-op. Returns the core report."""
@@ -496,7 +496,7 @@ class CuMemAllocator:
         self._log_release("pause", "all tags" if wanted is None else wanted, report)
         return report
 
-    def resume(self, tags: Optional[TagArg] = None) -> dict:
+    def resume(self, tags: Optional[TagArg] = None) -> Report:
         """Wake exactly `tags` (None: every tag; unlike `wake_up`, no tag wakes unasked). All or nothing, like
         `wake_up`; resuming an awake tag is a no-op. Memory without backup comes back per its wake_fill."""
         wanted = None if tags is None else list(_tag_tuple(tags, "tags"))
@@ -505,7 +505,7 @@ class CuMemAllocator:
         self._log_restore("resume", "all tags" if wanted is None else wanted, report)
         return report
 
-    def _log_release(self, what: str, tags: object, report: dict) -> None:
+    def _log_release(self, what: str, tags: object, report: Report) -> None:
         copied = _report_bytes(report, "copied_bytes", "backed_up")
         skipped = _report_bytes(report, "skipped_bytes")
         discarded = _report_bytes(report, "discarded_bytes", "discarded")
@@ -518,7 +518,7 @@ class CuMemAllocator:
         )
         forward_native_logs()
 
-    def _log_restore(self, what: str, tags: object, report: dict) -> None:
+    def _log_restore(self, what: str, tags: object, report: Report) -> None:
         restored = _report_bytes(report, "copied_bytes", "restored")
         seconds = float(report.get("seconds", 0.0))
         logger.info(
@@ -528,7 +528,7 @@ class CuMemAllocator:
         )
         forward_native_logs()
 
-    def status(self) -> dict:
+    def status(self) -> Status:
         """Per tag: allocations, mapped/asleep/backup bytes, policy (backup, wake_fill) and state (awake, asleep,
         mixed); plus `is_sleeping`. See `cumem_rs.Allocator.status`."""
         self._check_open()
@@ -547,7 +547,7 @@ def _size(nbytes: int) -> str:
     return f"{nbytes} B"
 
 
-def _summary(status: dict) -> str:
+def _summary(status: Mapping[str, Any]) -> str:
     """One line from a status dict: totals, then the state of each tag with allocations (and its policy if set)."""
     tags = {name: t for name, t in status["tags"].items() if t["allocations"]}
     total = {k: sum(int(t[k]) for t in tags.values()) for k in ("mapped_bytes", "asleep_bytes", "backup_bytes")}

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, Literal, Optional
 
 import torch
 
-from ._native import CumemError, CumemOutOfMemoryError
+from ._native import CumemError, CumemOutOfMemoryError, CumemTypeError, CumemValueError
 
 if TYPE_CHECKING:
     from .allocator import CuMemAllocator
@@ -47,7 +47,7 @@ _NO_DISK_BACKUP = (
 
 def _check_flag(value: object, name: str) -> bool:
     if not isinstance(value, bool):
-        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+        raise CumemTypeError(f"{name} must be a bool, got {type(value).__name__}")
     return value
 
 
@@ -58,11 +58,11 @@ def _check_backup_args(enable_cpu_backup: object, enable_disk_backup: object, cp
         raise NotImplementedError(_NO_DISK_BACKUP)
     if cpu_backup_backend is not None:
         if cpu_backup_backend not in _CPU_BACKUP_BACKENDS:
-            raise ValueError(
+            raise CumemValueError(
                 f"cpu_backup_backend must be one of {_CPU_BACKUP_BACKENDS} or None, got {cpu_backup_backend!r}"
             )
         if not cpu:
-            raise ValueError("cpu_backup_backend requires enable_cpu_backup=True")
+            raise CumemValueError("cpu_backup_backend requires enable_cpu_backup=True")
     return cpu
 
 
@@ -70,7 +70,7 @@ def _pool_key(pool: object) -> tuple[int, int]:
     """A graph pool token (from torch.cuda.graph_pool_handle() or CUDAGraph.pool()) as a hashable tuple."""
     if isinstance(pool, (tuple, list)) and len(pool) == 2 and all(isinstance(v, int) for v in pool):
         return (int(pool[0]), int(pool[1]))
-    raise TypeError(
+    raise CumemTypeError(
         f"pool must be a graph pool token (torch.cuda.graph_pool_handle() or CUDAGraph.pool()), got {pool!r}"
     )
 
@@ -112,7 +112,7 @@ class TorchMemorySaver:
         with self._lock:
             known = self._tags.get(tag)
             if known is not None and known != cpu_backup:
-                raise ValueError(
+                raise CumemValueError(
                     f"tag {tag!r} was already used with enable_cpu_backup={known}; cumem_rs keeps one backup setting "
                     f"per tag, so use another tag for memory {'with' if cpu_backup else 'without'} CPU backup"
                 )
@@ -310,7 +310,7 @@ class TorchMemorySaver:
     @hook_mode.setter
     def hook_mode(self, value: HookMode) -> None:
         if value not in _HOOK_MODES:
-            raise ValueError(f"hook_mode must be one of {_HOOK_MODES}, got {value!r}")
+            raise CumemValueError(f"hook_mode must be one of {_HOOK_MODES}, got {value!r}")
         self._hook_mode = value
 
     @property
@@ -321,9 +321,9 @@ class TorchMemorySaver:
     @memory_margin_bytes.setter
     def memory_margin_bytes(self, value: int) -> None:
         if isinstance(value, bool) or not isinstance(value, int):
-            raise TypeError(f"memory_margin_bytes must be an int, got {type(value).__name__}")
+            raise CumemTypeError(f"memory_margin_bytes must be an int, got {type(value).__name__}")
         if value < 0:
-            raise ValueError(f"memory_margin_bytes must be non-negative, got {value}")
+            raise CumemValueError(f"memory_margin_bytes must be non-negative, got {value}")
         self._memory_margin_bytes = value
 
     @property
@@ -350,11 +350,11 @@ class TorchMemorySaver:
         it is not memory of a region. `zero_copy=True` is accepted but still returns a copy: a view into the
         backup would dangle once resume hands that host memory to the next pause."""
         if not isinstance(x, torch.Tensor):
-            raise TypeError(f"get_cpu_backup needs a torch.Tensor, got {type(x).__name__}")
+            raise CumemTypeError(f"get_cpu_backup needs a torch.Tensor, got {type(x).__name__}")
         if not x.is_cuda:
-            raise ValueError(f"get_cpu_backup needs a CUDA tensor, got one on {x.device}")
+            raise CumemValueError(f"get_cpu_backup needs a CUDA tensor, got one on {x.device}")
         if not x.is_contiguous():
-            raise ValueError(
+            raise CumemValueError(
                 f"get_cpu_backup needs a contiguous tensor (shape {tuple(x.shape)}, strides {x.stride()})"
             )
         _check_flag(zero_copy, "zero_copy")
@@ -364,7 +364,7 @@ class TorchMemorySaver:
             # At least one byte: an empty tensor still answers whether its allocation is paused.
             data = self._allocator().native.read_backup(ptr, max(nbytes, 1))
         except ValueError as e:
-            raise ValueError(f"tensor at {ptr:#x} ({nbytes} bytes) is not memory of a region: {e}") from e
+            raise CumemValueError(f"tensor at {ptr:#x} ({nbytes} bytes) is not memory of a region: {e}") from e
         except CumemError as e:
             raise CumemError(f"tensor at {ptr:#x} was paused without CPU backup: {e}") from e
         if data is None:
