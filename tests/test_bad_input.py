@@ -493,3 +493,20 @@ def test_sim_scalar_argument_wrong_type(sim, name, call):
         call(sim)
     sim.free(sim.malloc(4096))  # nothing armed
     w.check()
+
+
+def test_numpy_integers_are_ints(alloc, w):
+    # Integer types with a lossless __index__ (numpy's) are taken as PyO3's own conversion took them; floats and
+    # bools are not, and a numpy int out of range is refused like a Python int.
+    np = pytest.importorskip("numpy")
+    assert alloc.granularity(np.int64(0)) == alloc.granularity(0)
+    addr = alloc.malloc(np.int64(4096), device=np.int32(0))
+    assert alloc.read(addr, np.uint16(4)) == alloc.read(addr, 4)
+    alloc.free(np.uint64(addr))
+    with pytest.raises(CumemTypeError, match="size must be an int, not float64"):
+        alloc.malloc(np.float64(4096))
+    with pytest.raises(CumemTypeError, match="device must be an int"):
+        alloc.granularity(np.bool_(False))
+    with pytest.raises(CumemValueError, match=f"device {2**40}"):
+        alloc.granularity(np.int64(2**40))
+    w.check()

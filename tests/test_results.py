@@ -153,3 +153,25 @@ def test_check_catches_a_drifted_dict():
     for bad in ({**good, "extra": 1}, {"running": False, "pinned": 0}, {**good, "pinned": True}):
         with pytest.raises(AssertionError):
             _check(bad, results.PinAheadStatus, "bad")
+
+
+def test_dicts_of_a_cycle_on_every_backend(alloc):
+    # The same checks on the CUDA allocator when a GPU is present (info() has driver_version there).
+    info = alloc.info()
+    _check(info, results.Info, "info()")
+    assert ("driver_version" in info) == (alloc.backend == "cuda")
+    g = alloc.granularity()
+    alloc.push_tag("weights")
+    try:
+        addr = alloc.malloc(g)
+    finally:
+        alloc.pop_tag()
+    try:
+        _check(alloc.sleep("weights"), results.Report, "sleep()")
+        _check(alloc.status(), results.Status, "status() asleep")
+        _check(alloc.allocations(), list[results.AllocationRecord], "allocations() asleep")
+        _check(alloc.wake_up(), results.Report, "wake_up()")
+        _check(alloc.stats(), results.Stats, "stats()")
+        _check(alloc.pin_ahead_status(), results.PinAheadStatus, "pin_ahead_status()")
+    finally:
+        alloc.free(addr)

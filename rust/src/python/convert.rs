@@ -14,8 +14,6 @@ use crate::driver::sim::FAULT_ERRORS;
 use crate::driver::Op;
 use crate::engine::WakeFill;
 
-/// Device indices are `int` in the driver API; the largest one a call can name.
-const MAX_DEVICE: i128 = i32::MAX as i128;
 const MAX_U64: i128 = u64::MAX as i128;
 
 pub(super) fn type_name(obj: &Bound<'_, PyAny>) -> String {
@@ -45,17 +43,24 @@ impl IntArg {
     }
 }
 
-/// The one integer conversion: a Python int (bools refused: `True` is not a size) with its exact value.
+/// The one integer conversion: a Python int, or an integer type that converts losslessly through `__index__`
+/// (numpy's, as PyO3's own conversion accepted), with its exact value. Bools are refused: `True` is not a size.
 fn int_arg(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<IntArg> {
-    if !obj.is_instance_of::<PyInt>() || obj.is_instance_of::<PyBool>() {
-        return Err(type_error(format!(
-            "{what} must be an int, not {}",
-            type_name(obj)
-        )));
+    let not_int = || type_error(format!("{what} must be an int, not {}", type_name(obj)));
+    if obj.is_instance_of::<PyBool>() {
+        return Err(not_int());
     }
+    let int = if obj.is_instance_of::<PyInt>() {
+        obj.clone()
+    } else if obj.hasattr("__index__")? {
+        let index = obj.py().import("operator")?.getattr("index")?;
+        index.call1((obj,)).map_err(|_| not_int())?
+    } else {
+        return Err(not_int());
+    };
     Ok(IntArg {
-        value: obj.extract::<i128>().ok(),
-        text: obj.str()?.to_string(),
+        value: int.extract::<i128>().ok(),
+        text: int.str()?.to_string(),
     })
 }
 
@@ -95,15 +100,12 @@ pub(super) fn address_arg(obj: &Bound<'_, PyAny>) -> PyResult<u64> {
 /// device count and says it; anything beyond 32 bits names no device of any machine.
 pub(super) fn device_arg(obj: &Bound<'_, PyAny>) -> PyResult<i32> {
     let n = int_arg(obj, "device")?;
-    n.value
-        .filter(|v| (-MAX_DEVICE - 1..=MAX_DEVICE).contains(v))
-        .map(|v| v as i32)
-        .ok_or_else(|| {
-            value_error(format!(
-                "device {} does not exist (not a 32-bit device index)",
-                n.text
-            ))
-        })
+    n.value.and_then(|v| i32::try_from(v).ok()).ok_or_else(|| {
+        value_error(format!(
+            "device {} does not exist (not a 32-bit device index)",
+            n.text
+        ))
+    })
 }
 
 /// Which call of an op a fault hits: a positive int that fits in 64 bits (the driver refuses one so far
