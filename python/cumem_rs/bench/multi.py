@@ -35,7 +35,7 @@ from ..workload import (
     total_bytes,
 )
 from . import DEFAULT_CYCLES, publish, resolve_backend
-from .common import Results, fmt_bytes, say, timed
+from .common import Results, fmt_bytes, say
 from .limits import memcpy_gbps as _memcpy_gbps
 from .sleep_wake import sleep_wake_cycles as _sleep_wake_cycles
 
