@@ -11,7 +11,7 @@ import os
 import pytest
 
 import cumem_rs
-from cumem_rs import ClosedError, CumemError, CumemOutOfMemoryError
+from cumem_rs import ClosedError, CumemError, CumemOutOfMemoryError, CumemTypeError, CumemValueError
 
 
 class Witness:
@@ -278,6 +278,13 @@ CLOSED_CALLS = [
     ("reserve_host", (4096,)),
     ("set_pin_chunk", (4096,)),
     ("push_tag", ("weights",)),
+    ("pop_tag", ()),
+    ("current_tag", ()),
+    ("trim_host", ()),
+    ("stop_pinning_ahead", ()),
+    ("retains_backups", ()),
+    ("keep_host_memory", ()),
+    ("pin_ahead_status", ()),
 ]
 
 
@@ -330,3 +337,183 @@ def test_simulated_with_absurd_device_count_is_a_value_error(devices):
     # Must not abort the process (a vector of 2**40 counters) nor wrap to 0 devices through a 32-bit cast.
     with pytest.raises(ValueError, match=str(devices)):
         cumem_rs.Allocator.simulated(devices=devices)
+
+
+# --- exception classes: a bad argument is a CumemError and a ValueError / TypeError ----------------------------
+
+
+def test_bad_values_are_cumem_value_errors(alloc, w):
+    # One refused by the bindings, one by the engine (unknown address), one by the engine's device check.
+    for call in (lambda: alloc.malloc(0), lambda: alloc.free(0x1000), lambda: alloc.push_tag(""),
+                 lambda: alloc.granularity(alloc.device_count())):
+        with pytest.raises(CumemValueError) as e:
+            call()
+        assert isinstance(e.value, CumemError) and isinstance(e.value, ValueError), type(e.value).__mro__
+    w.check()
+
+
+def test_wrong_types_are_cumem_type_errors(alloc, w):
+    for call in (lambda: alloc.malloc("4096"), lambda: alloc.sleep(1), lambda: alloc.set_keep_host_memory(1),
+                 lambda: alloc.write(w.weights, 1.5)):
+        with pytest.raises(CumemTypeError) as e:
+            call()
+        assert isinstance(e.value, CumemError) and isinstance(e.value, TypeError), type(e.value).__mro__
+    w.check()
+
+
+def test_exception_classes_are_exported():
+    assert issubclass(cumem_rs.CumemValueError, cumem_rs.CumemError)
+    assert issubclass(cumem_rs.CumemValueError, ValueError)
+    assert issubclass(cumem_rs.CumemTypeError, cumem_rs.CumemError)
+    assert issubclass(cumem_rs.CumemTypeError, TypeError)
+    assert not issubclass(cumem_rs.CumemValueError, TypeError)
+
+
+# --- integers out of range: a CumemValueError naming the argument and the value, never OverflowError ------------
+
+# Every integer argument of the module: (label, call with the value, the argument's name in the message).
+INT_ARGS = [
+    ("malloc device", lambda a, w, v: a.malloc(4096, device=v), "device"),
+    ("granularity", lambda a, w, v: a.granularity(v), "device"),
+    ("mem_info", lambda a, w, v: a.mem_info(v), "device"),
+    ("usage", lambda a, w, v: a.usage(v), "device"),
+    ("free", lambda a, w, v: a.free(v), "address"),
+    ("read address", lambda a, w, v: a.read(v, 4), "address"),
+    ("read size", lambda a, w, v: a.read(w.weights, v), "size"),
+    ("write address", lambda a, w, v: a.write(v, b"x"), "address"),
+    ("read_backup address", lambda a, w, v: a.read_backup(v, 4), "address"),
+    ("read_backup size", lambda a, w, v: a.read_backup(w.weights, v), "size"),
+    ("fingerprints address", lambda a, w, v: a.fingerprints(v, 16), "address"),
+    ("fingerprints length", lambda a, w, v: a.fingerprints(w.weights, v), "length"),
+    ("reserve_host", lambda a, w, v: a.reserve_host(v), "nbytes"),
+    ("reserve_host background", lambda a, w, v: a.reserve_host(v, background=True), "nbytes"),
+    ("set_pin_chunk", lambda a, w, v: a.set_pin_chunk(v), "nbytes"),
+    ("set_fingerprint_chunk", lambda a, w, v: a.set_fingerprint_chunk(v), "nbytes"),
+    ("set_wake_group_bytes", lambda a, w, v: a.set_wake_group_bytes(v), "nbytes"),
+    ("fingerprint_bytes chunk", lambda a, w, v: cumem_rs._native.fingerprint_bytes(b"\0" * 16, v), "chunk"),
+    ("simulated devices", lambda a, w, v: cumem_rs.Allocator.simulated(devices=v), "devices"),
+    ("simulated capacity", lambda a, w, v: cumem_rs.Allocator.simulated(capacity=v), "capacity"),
+    ("simulated granularity", lambda a, w, v: cumem_rs.Allocator.simulated(granularity=v), "granularity"),
+    ("simulated host_memory", lambda a, w, v: cumem_rs.Allocator.simulated(host_memory=v), "host_memory"),
+]
+SIM_INT_ARGS = [
+    ("inject_fault nth", lambda a, w, v: a.inject_fault("create", v), "nth"),
+    ("inject_panic nth", lambda a, w, v: a.inject_panic("create", v), "nth"),
+]
+OUT_OF_RANGE = [2**64, 2**70, -(2**70), 2**200]
+
+
+def _refused_naming_value(call, name: str, value: int) -> None:
+    with pytest.raises(CumemValueError) as e:
+        call()
+    assert not isinstance(e.value, OverflowError)
+    assert name in str(e.value), f"{e.value} does not name {name}"
+    assert str(value) in str(e.value), f"{e.value} does not show the value given"
+
+
+@pytest.mark.parametrize("value", OUT_OF_RANGE)
+@pytest.mark.parametrize("label,call,name", INT_ARGS, ids=[a[0] for a in INT_ARGS])
+def test_int_argument_out_of_range(alloc, w, label, call, name, value):
+    _refused_naming_value(lambda: call(alloc, w, value), name, value)
+    w.check()
+
+
+@pytest.mark.parametrize("value", OUT_OF_RANGE)
+@pytest.mark.parametrize("label,call,name", SIM_INT_ARGS, ids=[a[0] for a in SIM_INT_ARGS])
+def test_sim_int_argument_out_of_range(sim, label, call, name, value):
+    w = Witness(sim)
+    _refused_naming_value(lambda: call(sim, w, value), name, value)
+    sim.free(sim.malloc(4096))  # nothing armed
+    w.check()
+
+
+@pytest.mark.parametrize(
+    "call",
+    [lambda a: a.malloc(1, device=2**31), lambda a: a.granularity(2**40), lambda a: a.usage(2**40),
+     lambda a: a.mem_info(-(2**40)), lambda a: a.malloc(1, device=-(2**31) - 1)],
+    ids=["malloc", "granularity", "usage", "mem_info", "malloc-below-i32"],
+)
+def test_device_beyond_32_bits(alloc, w, call):
+    # These raised OverflowError ("out of range integral type conversion attempted").
+    with pytest.raises(CumemValueError, match="device"):
+        call(alloc)
+    w.check()
+
+
+@pytest.mark.parametrize("nbytes,background", [(2**70, False), (2**64, True), (2**64, False)])
+def test_reserve_host_beyond_64_bits(alloc, w, nbytes, background):
+    # These were an out-of-memory error for a saturated 18446744073709551615 bytes.
+    with pytest.raises(CumemValueError, match=f"nbytes.*{nbytes}") as e:
+        alloc.reserve_host(nbytes, background=background)
+    assert "18446744073709551615" not in str(e.value)
+    assert not alloc.pin_ahead_status()["running"]
+    w.check()
+
+
+@pytest.mark.parametrize("size", [2**64, 2**70, 2**200])
+def test_malloc_size_beyond_64_bits_shows_the_size_asked_for(alloc, w, size):
+    # Out of memory, as documented (no device holds it), but with the size given, not a saturated one.
+    with pytest.raises(CumemOutOfMemoryError, match=f"out of memory.*{size}"):
+        alloc.malloc(size)
+    w.check()
+
+
+def test_stream_beyond_64_bits(alloc, w):
+    with pytest.raises(CumemValueError, match="stream"):
+        alloc.malloc(4096, stream=2**64)
+    w.check()
+
+
+# --- wrong types of the other scalar arguments: CumemTypeError naming the argument ------------------------------
+
+TYPED_ARGS = [
+    ("device", lambda a: a.granularity("0")),
+    ("device", lambda a: a.usage(1.0)),
+    ("device", lambda a: a.malloc(4096, device=True)),
+    ("keep", lambda a: a.set_keep_host_memory(1)),
+    ("background", lambda a: a.reserve_host(4096, background="yes")),
+    ("on", lambda a: a.set_retain_backups(None)),
+    ("wake_fill", lambda a: a.set_tag_policy("weights", wake_fill=0)),
+    ("nbytes", lambda a: a.set_pin_chunk(4096.0)),
+    ("data", lambda a: cumem_rs._native.fingerprint_bytes("0" * 16, 16)),
+    ("host_register_delay", lambda a: cumem_rs.Allocator.simulated(host_register_delay="1")),
+]
+SIM_TYPED_ARGS = [
+    ("op", lambda a: a.inject_fault(1)),
+    ("nth", lambda a: a.inject_fault("create", "1")),
+    ("error", lambda a: a.inject_fault("create", 1, 999)),
+    ("op", lambda a: a.inject_panic(None)),
+]
+
+
+@pytest.mark.parametrize("name,call", TYPED_ARGS, ids=[f"{n}-{i}" for i, (n, _) in enumerate(TYPED_ARGS)])
+def test_scalar_argument_wrong_type(alloc, w, name, call):
+    with pytest.raises(CumemTypeError, match=f"{name} must be"):
+        call(alloc)
+    w.check()
+
+
+@pytest.mark.parametrize("name,call", SIM_TYPED_ARGS, ids=[f"{n}-{i}" for i, (n, _) in enumerate(SIM_TYPED_ARGS)])
+def test_sim_scalar_argument_wrong_type(sim, name, call):
+    w = Witness(sim)
+    with pytest.raises(CumemTypeError, match=f"{name} must be"):
+        call(sim)
+    sim.free(sim.malloc(4096))  # nothing armed
+    w.check()
+
+
+def test_numpy_integers_are_ints(alloc, w):
+    # Integer types with a lossless __index__ (numpy's) are taken as PyO3's own conversion took them; floats and
+    # bools are not, and a numpy int out of range is refused like a Python int.
+    np = pytest.importorskip("numpy")
+    assert alloc.granularity(np.int64(0)) == alloc.granularity(0)
+    addr = alloc.malloc(np.int64(4096), device=np.int32(0))
+    assert alloc.read(addr, np.uint16(4)) == alloc.read(addr, 4)
+    alloc.free(np.uint64(addr))
+    with pytest.raises(CumemTypeError, match="size must be an int, not float64"):
+        alloc.malloc(np.float64(4096))
+    with pytest.raises(CumemTypeError, match="device must be an int"):
+        alloc.granularity(np.bool_(False))
+    with pytest.raises(CumemValueError, match=f"device {2**40}"):
+        alloc.granularity(np.int64(2**40))
+    w.check()

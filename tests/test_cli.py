@@ -138,6 +138,15 @@ def test_help_lists_the_subcommands():
         assert sub.returncode == 0 and "--scale" in sub.stdout and "--backend" in sub.stdout
 
 
+def test_bench_multi_is_a_subcommand_and_a_module():
+    # The multi-device benchmark lives in the bench package (cumem_rs.bench.multi); both ways of running it work.
+    p = run_cli("bench-multi", "--help")
+    assert p.returncode == 0 and "--devices" in p.stdout, p.stdout + p.stderr
+    p = subprocess.run([sys.executable, "-m", "cumem_rs.bench.multi", "--help"], capture_output=True, text=True,
+                       timeout=60)
+    assert p.returncode == 0 and "python -m cumem_rs.bench.multi" in p.stdout, p.stdout + p.stderr
+
+
 @pytest.mark.parametrize("argv", [["demo", "--bogus"], ["bench", "--backend", "tpu"], ["demo", "--scale", "x"], []])
 def test_bad_arguments_are_argparse_errors(argv):
     p = run_cli(*argv)

@@ -41,6 +41,9 @@ SCENARIO_ALLOCS = [
 
 OFFLOADED = "weights"  # the tag the scenario's sleep backs up
 
+# The CUDA result code each FAULT_ERRORS kind stands for (cudaError_enum / CUresult).
+CUDA_CODES = {"oom": 2, "invalid": 1, "unknown": 999, "not_permitted": 800}
+
 
 @dataclass
 class Run:
@@ -177,6 +180,9 @@ def run_with_fault(op: str, n: int, error: str) -> str:
             want = CumemOutOfMemoryError if error == "oom" else DriverError
             assert isinstance(run.error, want), f"{where}: {type(run.error).__name__}: {run.error}"
             assert op in str(run.error), f"{where}: the message does not name the operation: {run.error}"
+            if isinstance(run.error, DriverError):
+                # The failed call and its CUDA code, as attributes (not only in the message).
+                assert (run.error.op, run.error.code) == (op, CUDA_CODES[error]), f"{where}: {vars(run.error)}"
             outcome = f"raised at {run.step}"
         else:
             # Paths that cannot raise (a release after the point of no return, a pinning failure that pageable
@@ -224,6 +230,22 @@ def test_malloc_create_oom_is_out_of_memory_error():
         assert (c["ranges"], c["handles"], c["mapped_bytes"]) == (0, 0, 0), c
         addr = a.malloc(100)  # the fault fired once; the next call works
         a.free(addr)
+    finally:
+        a.close()
+
+
+def test_driver_error_carries_op_and_code():
+    """DriverError.op is the failed driver call and .code its CUDA result code, matching the message."""
+    a = new_sim()
+    try:
+        assert set(CUDA_CODES) == set(cumem_rs.FAULT_ERRORS)
+        for op, error in (("create", "unknown"), ("map", "invalid"), ("reserve", "not_permitted")):
+            a.inject_fault(op, 1, error)
+            with pytest.raises(DriverError) as e:
+                a.malloc(100)
+            assert e.value.op == op and e.value.code == CUDA_CODES[error], vars(e.value)
+            assert f"driver call {op} failed" in str(e.value) and f"code {e.value.code}" in str(e.value)
+        assert a.allocations() == []
     finally:
         a.close()
 

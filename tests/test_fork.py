@@ -45,6 +45,12 @@ SCENARIO = textwrap.dedent(
                 "current_tag": a.current_tag,
                 "usage": a.usage,
                 "status": a.status,
+                "stats": a.stats,
+                "errors": a.errors,
+                "host_bytes": a.host_bytes,
+                "closed": lambda: a.closed,
+                "mem_info": a.mem_info,
+                "info": a.info,
             }
             bad = []
             for name, call in calls.items():

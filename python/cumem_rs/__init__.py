@@ -3,6 +3,10 @@
 `Allocator` is the core (Rust) allocator over a driver: `Allocator.cuda()` for the GPU, `Allocator.simulated()`
 for the host-emulated device. `CuMemAllocator` is the vLLM-compatible torch layer; it is imported lazily so that
 `import cumem_rs` works without torch.
+
+Errors: everything raised is a `CumemError` (a `RuntimeError`); a bad argument is a `CumemValueError` or
+`CumemTypeError`, which are also a `ValueError` / `TypeError`. The dicts the allocator returns are typed in
+`cumem_rs.results`.
 """
 
 from ._native import (
@@ -12,6 +16,8 @@ from ._native import (
     ClosedError,
     CumemError,
     CumemOutOfMemoryError,
+    CumemTypeError,
+    CumemValueError,
     DriverError,
     __version__,
     cuda_available,
@@ -24,6 +30,8 @@ __all__ = [
     "CuMemAllocator",
     "CumemError",
     "CumemOutOfMemoryError",
+    "CumemTypeError",
+    "CumemValueError",
     "DriverError",
     "FAULT_ERRORS",
     "FAULT_OPS",

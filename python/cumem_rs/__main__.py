@@ -15,7 +15,8 @@ import platform
 import sys
 from typing import Any, Callable, Iterator, Optional
 
-from . import bench, bench_multi
+from . import bench
+from .bench import multi as bench_multi
 from .workload import (
     add_workload_arguments,
     DEFAULT_KV_GIB,
@@ -116,14 +117,6 @@ class _Steps:
         return 0
 
 
-def _report(report: dict, *keys: str) -> Optional[int]:
-    # The extension reports "copied_bytes"/"discarded_bytes"; its stub documents "backed_up"/"discarded".
-    for k in keys:
-        if k in report:
-            return report[k]
-    return None
-
-
 def _check_asleep(mapped_after_sleep: int) -> None:
     # sleep releases the physical memory of every awake allocation, whatever its tag.
     if mapped_after_sleep != 0:
@@ -161,12 +154,13 @@ def demo_sim(args: argparse.Namespace) -> int:
             used_asleep = alloc.usage()
             _check_asleep(used_asleep)
             steps.add(f"sleep #{c} (offload weights, discard kv_cache)", wbytes, t)
-            copied = _report(report, "copied_bytes", "backed_up")
-            discarded = _report(report, "discarded_bytes", "discarded")
+            # Backed up = copied now + retained from the last wake and unchanged since (not copied again).
+            copied, skipped = report["copied_bytes"], report["skipped_bytes"]
             print(f"  device memory mapped: {bench.fmt_bytes(used_before)} -> {bench.fmt_bytes(used_asleep)} "
                   f"asleep (freed {bench.fmt_bytes(used_before - used_asleep)}); host backup "
-                  f"{bench.fmt_bytes(alloc.host_bytes())}; backed up {bench.fmt_bytes(copied)}, "
-                  f"discarded {bench.fmt_bytes(discarded)}")
+                  f"{bench.fmt_bytes(alloc.host_bytes())}; backed up {bench.fmt_bytes(copied + skipped)} "
+                  f"({bench.fmt_bytes(copied)} copied, {bench.fmt_bytes(skipped)} unchanged since the wake), "
+                  f"discarded {bench.fmt_bytes(report['discarded_bytes'])}")
             _, t = bench.timed(alloc.wake_up)
             steps.add(f"wake_up #{c}", wbytes, t)
             checked, t = bench.timed(lambda: wl.verify(WEIGHTS_TAG, addrs))

@@ -1,10 +1,23 @@
 """Type stubs for the Rust extension module `cumem_rs._native`.
 
 Addresses are plain ints (device virtual addresses; on the simulated driver they are host addresses of
-`mmap` reservations, which stay the same across sleep/wake exactly as on a GPU).
+`mmap` reservations, which stay the same across sleep/wake exactly as on a GPU). The dicts returned are typed by
+the TypedDicts of `cumem_rs.results`. A bad argument raises `CumemValueError` (a wrong value) or `CumemTypeError`
+(a wrong type), naming the argument: both are `CumemError`s, and a `ValueError` / `TypeError` respectively.
 """
 
 from typing import Literal, Optional, Sequence, Union, final
+
+from .results import (
+    AllocationRecord,
+    DriverCounts,
+    Info,
+    PinAheadStatus,
+    Report,
+    Stats,
+    Status,
+    TagPolicy,
+)
 
 __all__ = [
     "__version__",
@@ -12,6 +25,8 @@ __all__ = [
     "FAULT_ERRORS",
     "CumemError",
     "CumemOutOfMemoryError",
+    "CumemTypeError",
+    "CumemValueError",
     "DriverError",
     "ClosedError",
     "Allocator",
@@ -37,8 +52,21 @@ class CumemError(RuntimeError):
 class CumemOutOfMemoryError(CumemError):
     """Physical device memory (or host backup memory) ran out."""
 
+class CumemValueError(CumemError, ValueError):
+    """A bad argument value (a negative size, an empty tag, an unknown address or device, an int out of range); the
+    message names the argument and the value given. Both a CumemError and a ValueError."""
+
+class CumemTypeError(CumemError, TypeError):
+    """An argument of the wrong type; the message names the argument. Both a CumemError and a TypeError."""
+
 class DriverError(CumemError):
     """A driver call failed; the message names the operation and the CUDA error."""
+
+    #: The driver operation that failed: a FAULT_OPS name ("create", "map", ...), or for a set-up call on CUDA the
+    #: driver function ("cuInit", "cuCtxGetCurrent", ...).
+    op: str
+    #: The CUDA result code it returned (e.g. 999 for CUDA_ERROR_UNKNOWN).
+    code: int
 
 class ClosedError(CumemError):
     """The allocator was closed; no further calls are possible."""
@@ -106,36 +134,36 @@ class Allocator:
         """Undo the last push_tag of this thread and return its tag."""
     def current_tag(self) -> str:
         """Innermost tag of this thread, "default" when the stack is empty."""
-    def sleep(self, offload_tags: Optional[Union[str, Sequence[str]]] = None) -> dict:
+    def sleep(self, offload_tags: Optional[Union[str, Sequence[str]]] = None) -> Report:
         """Back up awake allocations of `offload_tags` to host memory, then release the physical memory of all
         awake allocations. None: each tag is backed up per its policy (`set_tag_policy`), and a tag without a
         backup policy only if it is "default" (so None means ("default",) while no policy is set). Returns a
-        report: {"allocations": n, "copied_bytes": bytes copied to host, "skipped_bytes": bytes of retained
+        `Report`: {"allocations": n, "copied_bytes": bytes copied to host, "skipped_bytes": bytes of retained
         backups not copied because their chunks did not change since the wake, "chunks_checked": chunks whose
         fingerprints were compared, "fingerprint_seconds": s, "discarded_bytes": bytes released without backup,
         "zeroed_bytes": 0, "seconds": s, "gb_per_s": copied_bytes / seconds / 1e9}. Bytes backed up =
         copied_bytes + skipped_bytes. Sizes are the allocations' rounded (mapped) sizes."""
-    def wake_up(self, tags: Optional[Union[str, Sequence[str]]] = None) -> dict:
+    def wake_up(self, tags: Optional[Union[str, Sequence[str]]] = None) -> Report:
         """Map new physical memory at the same addresses for asleep allocations of `tags` (None = all) and copy
-        backups back. Transactional: on failure nothing is woken and the backups are kept. Returns a report like
+        backups back. Transactional: on failure nothing is woken and the backups are kept. Returns a `Report` like
         sleep's: copied_bytes restored, discarded_bytes woken without contents, zeroed_bytes of those filled with
         zeros per their tag's wake_fill policy."""
-    def discard(self, tags: Union[str, Sequence[str]]) -> dict:
+    def discard(self, tags: Union[str, Sequence[str]]) -> Report:
         """Release awake allocations of `tags` without backup (contents undefined after wake)."""
     def read(self, address: int, size: int) -> bytes:
         """Copy `size` bytes at `address` (inside one awake allocation) to host."""
     def write(self, address: int, data: bytes) -> None:
         """Copy `data` to `address` (inside one awake allocation)."""
-    def info(self) -> dict:
+    def info(self) -> Info:
         """{"backend", "devices": [{"device", "name", "free", "total", "granularity", "rdma_with_vmm"}],
         "driver_version" (CUDA only)}."""
     @property
     def closed(self) -> bool: ...
     def usage(self, device: Optional[int] = None) -> int:
         """Mapped (physical) bytes held by this allocator, on one device or all."""
-    def allocations(self) -> list[dict]:
+    def allocations(self) -> list[AllocationRecord]:
         """One dict per live allocation: address, size, requested, device, tag, asleep, backed_up."""
-    def stats(self) -> dict:
+    def stats(self) -> Stats:
         """Counters: live allocations, mapped/asleep/host bytes, last sleep and wake reports, error counts."""
     def host_bytes(self) -> int:
         """Host backup bytes held (in use by asleep allocations plus cached for the next sleep). Bounded: at
@@ -148,7 +176,7 @@ class Allocator:
         """Acquire and pin `nbytes` of host backup memory for the first sleep: now, or (`background`) on a worker
         thread that the next sleep stops and takes over (it pins only what is still unpinned). CumemOutOfMemoryError
         when the host cannot give that much (a background worker stops at the limit and records a warning)."""
-    def pin_ahead_status(self) -> dict:
+    def pin_ahead_status(self) -> PinAheadStatus:
         """The background pinning worker: {"running": bool, "pinned": bytes so far, "nbytes": its target}."""
     def backup_bytes_of(self, tags: Union[str, Sequence[str]]) -> int:
         """Bytes of host arena a sleep offloading `tags` would need now: their awake allocations, less tags whose
@@ -187,7 +215,7 @@ class Allocator:
         """Simulated driver only, a test hook: the `nth` next call of `op` panics inside the driver. The panic
         surfaces as CumemError, and the allocator refuses later calls (see CumemError)."""
     def clear_faults(self) -> None: ...
-    def driver_counts(self) -> dict:
+    def driver_counts(self) -> DriverCounts:
         """Simulated driver only: live ranges, handles, host registrations, mapped bytes, per-op call counts."""
     def close(self) -> None:
         """Free every allocation and host buffer. Later calls raise ClosedError. Idempotent."""
@@ -199,16 +227,16 @@ class Allocator:
         backs the tag up: `pause` always follows it (None: back up), `sleep(None)` too (None: only "default"),
         an explicit `sleep(offload_tags)` decides itself. `wake_fill="zero"`: memory of the tag that wakes
         without a backup comes back zeroed (device memset under the wake's copies)."""
-    def tag_policy(self, tag: str) -> dict:
+    def tag_policy(self, tag: str) -> TagPolicy:
         """{"backup": bool | None, "wake_fill": "undefined" | "zero"} of `tag`."""
-    def pause(self, tags: Optional[Union[str, Sequence[str]]] = None) -> dict:
+    def pause(self, tags: Optional[Union[str, Sequence[str]]] = None) -> Report:
         """Release the awake allocations of `tags` (None: every tag), backed up per their policy (unset: backed
         up). Other tags keep their memory; only the devices holding paused allocations are synchronized.
         Pausing a paused tag is a no-op. Returns a report like sleep's."""
-    def resume(self, tags: Optional[Union[str, Sequence[str]]] = None) -> dict:
+    def resume(self, tags: Optional[Union[str, Sequence[str]]] = None) -> Report:
         """Wake the asleep allocations of `tags` (None: every tag), all or nothing, like wake_up; resuming an
         awake tag is a no-op."""
-    def status(self) -> dict:
+    def status(self) -> Status:
         """{"is_sleeping": bool, "tags": {tag: {"allocations", "mapped_bytes", "asleep_bytes", "backup_bytes"
         (backups of asleep allocations plus retained ones), "retained_bytes" (retained backups of awake
         allocations), "backup", "wake_fill", "state": "awake" | "asleep" | "mixed"}}}, for every tag with an

@@ -8,7 +8,7 @@ core (`cumem_rs.Allocator.cuda()`); this module only routes torch allocations to
 MemPool caveats:
 
 * Routing: one `CUDAPluggableAllocator` over our exported `my_malloc`/`my_free`, a `MemPool` over it, and
-  `use_mem_pool`. The tag of an allocation is the innermost tag on the native, per-thread tag stack, pushed here
+  `use_mem_pool`. The tag of an allocation is the innermost tag on the native, per-thread tag stack, pushed
   around the block (torch calls `my_malloc` on the allocating thread).
 * One MemPool per `use_memory_pool` call, as upstream does, dropped after the block. Dropping is what makes torch
   release the pool's cached but unused segments (through `my_free`): a live MemPool never returns memory, not
@@ -16,13 +16,8 @@ MemPool caveats:
   pool (torch keeps it while it owns segments) and are released through the pool's own allocator once those
   tensors die, at the next `torch.cuda.empty_cache()` or out-of-memory retry. That per-pool release is torch >=
   2.8; older versions fall back to `cudaFree` on our addresses (pytorch#146431), so they are refused.
-* A MemPool is only ever dropped while no pool block is active in the process: torch aborts the process when a
-  pool is destroyed while allocations are being routed to any pool (its event sync asserts that no such routing
-  is under way). Pools to drop wait until the last active block, on any thread, has ended.
-* The pluggable allocator is kept alive for the whole process: torch's private pools hold a raw pointer to it,
-  and a pool released after it (at interpreter shutdown, by a CUDA graph) would call into a dead object.
-* `expandable_segments` cannot be used with a MemPool (pytorch#147851): it is switched off while a pool is in use
-  and the complete previous allocator settings string is restored afterwards.
+* Pool blocks, the pluggable allocator, when pools may be dropped and expandable segments: `_pools.py`, shared
+  with `memory_saver.py`.
 * Pools we hold are dropped at exit (atexit), before interpreter teardown.
 """
 
@@ -30,20 +25,21 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import ctypes
 import gc
 import logging
 import os
 import re
 import threading
 from collections.abc import Iterable, Iterator
-from typing import Literal, Optional, Union
+from typing import Optional, Union
 
 import torch
 
 from . import _native
-from ._native import Allocator, ClosedError, CumemError
+from ._native import Allocator, ClosedError, CumemError, CumemTypeError, CumemValueError
+from ._pools import check_tag, new_pool, pluggable, pool_activity, pool_block, tag_tuple
 from .logs import forward_native_logs
+from .results import Report, Status, WakeFill
 
 logger = logging.getLogger("cumem_rs")
 
@@ -69,27 +65,6 @@ PIN_AHEAD_TAGS = ("weights", "default")
 _GiB = float(1 << 30)
 
 TagArg = Union[str, Iterable[str]]
-WakeFill = Literal["undefined", "zero"]
-
-
-# --- argument checks ---------------------------------------------------------------------------------------------
-
-
-def _check_tag(tag: object) -> str:
-    if not isinstance(tag, str):
-        raise TypeError(f"a tag must be a str, got {type(tag).__name__}")
-    if not tag:
-        raise ValueError("a tag must be a non-empty str")
-    return tag
-
-
-def _tag_tuple(tags: object, name: str) -> tuple[str, ...]:
-    """A str means one tag; any other iterable is a collection of tags (possibly empty)."""
-    if isinstance(tags, str):
-        return (_check_tag(tags),)
-    if isinstance(tags, (bytes, bytearray)) or not isinstance(tags, Iterable):
-        raise TypeError(f"{name} must be a str or a collection of str, got {type(tags).__name__}")
-    return tuple(_check_tag(t) for t in tags)
 
 
 def _torch_version() -> tuple[int, int]:
@@ -97,121 +72,7 @@ def _torch_version() -> tuple[int, int]:
     return (int(m.group(1)), int(m.group(2))) if m else (0, 0)
 
 
-# --- allocator settings (expandable segments) ---------------------------------------------------------------------
-
-_EXPANDABLE_RE = re.compile(r"expandable_segments\s*:\s*(\w+)")
-
-
-def _get_alloc_conf() -> str:
-    """The allocator settings string in force. Newer torch reports the last one set (by env or at run time);
-    torch 2.11 and older only have the environment, read in the order torch's CUDA allocator reads it."""
-    getter = getattr(torch._C, "_accelerator_getAllocatorSettings", None)
-    if getter is not None:
-        try:
-            return str(getter())
-        except Exception:  # a build without the accelerator config: use the environment
-            pass
-    return os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or os.environ.get("PYTORCH_ALLOC_CONF") or ""
-
-
-def _set_alloc_conf(conf: str) -> None:
-    # The whole string is always set: older torch resets the keys it is not given (max_split_size_mb, ...).
-    setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
-    if setter is not None:
-        setter(conf)
-    else:
-        torch.cuda.memory._set_allocator_settings(conf)
-
-
-def _expandable_enabled(conf: str) -> bool:
-    values = _EXPANDABLE_RE.findall(conf)
-    return bool(values) and values[-1].lower() == "true"
-
-
-class _PoolActivity:
-    """Process-wide state of our pool blocks, across threads. While at least one block is active:
-
-    * expandable segments are off; the settings string seen before the first block is restored after the last;
-    * no MemPool is destroyed: pools handed to `exit`/`retire` are kept here and dropped, under the lock (so no
-      block can start meanwhile), when the last block ends.
-    """
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._depth = 0
-        self._saved_conf: Optional[str] = None
-        self._retired: list[torch.cuda.memory.MemPool] = []
-
-    def enter(self) -> None:
-        with self._lock:
-            if self._depth == 0:
-                conf = _get_alloc_conf()
-                if _expandable_enabled(conf):
-                    _set_alloc_conf(_EXPANDABLE_RE.sub("expandable_segments:False", conf))
-                    self._saved_conf = conf
-            self._depth += 1
-
-    def exit(self, pools: list) -> None:
-        """End one block; `pools` (emptied here, so the caller holds no reference) are dropped once idle."""
-        with self._lock:
-            self._retired.extend(pools)
-            pools.clear()
-            self._depth -= 1
-            if self._depth == 0:
-                try:
-                    if self._saved_conf is not None:
-                        saved, self._saved_conf = self._saved_conf, None
-                        _set_alloc_conf(saved)
-                finally:
-                    self._drop_retired()
-
-    def retire(self, pools: list) -> None:
-        """Drop `pools` (emptied here) now if no block is active, else when the last one ends."""
-        with self._lock:
-            self._retired.extend(pools)
-            pools.clear()
-            if self._depth == 0:
-                self._drop_retired()
-
-    def _drop_retired(self) -> None:
-        # Our references are normally the last: torch releases each pool here, returning its unused segments
-        # through my_free (no Python runs in there, so holding the lock is safe).
-        self._retired.clear()
-
-
-_pool_activity = _PoolActivity()
-
-
-# --- the pluggable allocator ----------------------------------------------------------------------------------------
-
-_PLUGGABLE: Optional[torch.cuda.memory.CUDAPluggableAllocator] = None
-_PLUGGABLE_LOCK = threading.Lock()
-
-
-def _pluggable() -> torch.cuda.memory.CUDAPluggableAllocator:
-    """The one CUDAPluggableAllocator over our `my_malloc`/`my_free`, created once and never destroyed."""
-    global _PLUGGABLE
-    with _PLUGGABLE_LOCK:
-        if _PLUGGABLE is None:
-            pluggable = torch.cuda.memory.CUDAPluggableAllocator(_native.__file__, "my_malloc", "my_free")
-            # Deliberate leak: torch's private pools keep a raw pointer to this C++ allocator and call it when they
-            # release segments, possibly during interpreter shutdown after module globals are cleared. One extra
-            # reference keeps it alive until the process ends (vLLM hit "pure virtual method called" there).
-            ctypes.pythonapi.Py_IncRef(ctypes.py_object(pluggable._allocator))
-            _PLUGGABLE = pluggable
-        return _PLUGGABLE
-
-
 # --- logging --------------------------------------------------------------------------------------------------------
-
-
-def _report_bytes(report: dict, *keys: str) -> int:
-    """A byte count from a core report, by the first key present (the documented name first)."""
-    for key in keys:
-        value = report.get(key)
-        if isinstance(value, int):
-            return value
-    return 0
 
 
 def _rate(nbytes: int, seconds: float) -> float:
@@ -265,7 +126,7 @@ class CuMemAllocator:
                 f"CuMemAllocator needs torch's native caching allocator (MemPool), but the backend is {backend!r}"
             )
         self._native: Allocator = Allocator.cuda()
-        self._pluggable = _pluggable()
+        pluggable()  # created now, so that a failure to load it surfaces here rather than in the first pool block
         self._lock = threading.Lock()
         # Pools handed out by cudagraph_pool, per (tag, device): reused by later captures, dropped by release_pools.
         self._graph_pools: dict[tuple[str, int], torch.cuda.memory.MemPool] = {}
@@ -276,6 +137,9 @@ class CuMemAllocator:
         #: `use_memory_pool` blocks ends (default on; env CUMEM_RS_PIN_AHEAD=0 turns it off).
         self.pin_ahead: bool = os.environ.get("CUMEM_RS_PIN_AHEAD", "1") != "0"
         self.pin_ahead_tags: tuple[str, ...] = PIN_AHEAD_TAGS
+        # A process forked from this one (a DataLoader worker, a fork pool) inherits the exit handler but none of
+        # the CUDA state: there it does nothing.
+        self._pid = os.getpid()
         atexit.register(self._at_exit)
 
     @property
@@ -286,7 +150,7 @@ class CuMemAllocator:
     @sleep_gc.setter
     def sleep_gc(self, mode: str) -> None:
         if mode not in SLEEP_GC_MODES:
-            raise ValueError(f"sleep_gc must be one of {SLEEP_GC_MODES}, got {mode!r}")
+            raise CumemValueError(f"sleep_gc must be one of {SLEEP_GC_MODES}, got {mode!r}")
         self._sleep_gc = mode
 
     # -- introspection --
@@ -311,9 +175,6 @@ class CuMemAllocator:
 
     # -- pools --
 
-    def _new_pool(self) -> torch.cuda.memory.MemPool:
-        return torch.cuda.memory.MemPool(self._pluggable._allocator)
-
     @contextlib.contextmanager
     def use_memory_pool(self, tag: Optional[str] = None) -> Iterator[None]:
         """Allocate the tensors created on this thread inside the block from cumem_rs, under `tag`.
@@ -321,22 +182,12 @@ class CuMemAllocator:
         A fresh MemPool serves the block; when the block exits it is dropped, so torch releases the segments
         left unused (freed temporaries) right away, and the others once their tensors die.
         """
-        tag = self.default_tag if tag is None else _check_tag(tag)
+        tag = self.default_tag if tag is None else check_tag(tag)
         self._check_open()
-        # The pool lives in a list that _PoolActivity.exit empties: this frame must not keep it alive, or it could
-        # be destroyed later, at a moment when another block is routing allocations (torch aborts then).
-        pools = []
-        _pool_activity.enter()
-        try:
-            pools.append(self._new_pool())
-            self._native.push_tag(tag)
-            try:
-                with torch.cuda.memory.use_mem_pool(pools[0]):
-                    yield
-            finally:
-                self._native.pop_tag()
-        finally:
-            _pool_activity.exit(pools)
+        with pool_block(self._native, tag) as retire:
+            retire.append(new_pool())
+            with torch.cuda.memory.use_mem_pool(retire[0]):
+                yield
         if self.pin_ahead and tag in self.pin_ahead_tags:
             self._start_pin_ahead()
 
@@ -358,24 +209,17 @@ class CuMemAllocator:
         for the same tag and device until `release_pools()`, so graphs captured in turn share their memory.
         vLLM itself captures graphs into the default torch pool; this is the opt-in to have them sleep too.
         """
-        tag = _check_tag(tag)
+        tag = check_tag(tag)
         self._check_open()
         key = (tag, torch.cuda.current_device())
         with self._lock:
             pool = self._graph_pools.get(key)
             if pool is None:
-                pool = self._graph_pools[key] = self._new_pool()
+                pool = self._graph_pools[key] = new_pool()
         pool_id = pool.id
         del pool
-        _pool_activity.enter()
-        try:
-            self._native.push_tag(tag)
-            try:
-                yield pool_id
-            finally:
-                self._native.pop_tag()
-        finally:
-            _pool_activity.exit([])
+        with pool_block(self._native, tag):
+            yield pool_id
 
     #: The name newer vLLM uses for `cudagraph_pool`.
     use_cudagraph_pool = cudagraph_pool
@@ -386,7 +230,7 @@ class CuMemAllocator:
         with self._lock:
             pools = list(self._graph_pools.values())
             self._graph_pools.clear()
-        _pool_activity.retire(pools)
+        pool_activity.retire(pools)
         if torch.cuda.is_initialized():
             torch.cuda.empty_cache()
 
@@ -405,7 +249,9 @@ class CuMemAllocator:
 
     def _at_exit(self) -> None:
         # Release torch pools while torch, the pluggable allocator and the driver are all still alive; stop the
-        # background pinning worker before the driver is torn down.
+        # background pinning worker before the driver is torn down. Not in a forked child (see __init__).
+        if os.getpid() != self._pid:
+            return
         try:
             self._native.stop_pinning_ahead()
         except Exception as e:  # never fail interpreter shutdown
@@ -417,7 +263,7 @@ class CuMemAllocator:
 
     # -- sleep / wake --
 
-    def sleep(self, offload_tags: Optional[TagArg] = None) -> dict:
+    def sleep(self, offload_tags: Optional[TagArg] = None) -> Report:
         """Back up the allocations of `offload_tags` to host memory and release the physical memory of all.
 
         None means ("default",), a str one tag, an empty collection backs up nothing. Allocations already asleep
@@ -425,7 +271,7 @@ class CuMemAllocator:
         seconds). With tag policies set (`set_tag_policy`), None backs up each tag per its policy instead, and
         "default" only while it has none.
         """
-        tags = None if offload_tags is None else _tag_tuple(offload_tags, "offload_tags")
+        tags = None if offload_tags is None else tag_tuple(offload_tags, "offload_tags")
         self._check_open()
         # Let torch return segments whose tensors died (released pools): they are freed, not copied to host. This
         # also hands torch's own cached memory back to the driver, as upstream does after sleeping.
@@ -438,14 +284,14 @@ class CuMemAllocator:
         self._log_release("sleep", "tags per policy" if tags is None else list(tags), report)
         return report
 
-    def wake_up(self, tags: Optional[TagArg] = None) -> dict:
+    def wake_up(self, tags: Optional[TagArg] = None) -> Report:
         """Map memory at the same addresses again and restore the backups.
 
         None wakes everything asleep. Otherwise `tags` selects among the deferrable tags ("weights", "kv_cache")
         only: every other asleep tag always wakes (vLLM semantics). All or nothing: on failure (e.g. out of memory)
         nothing is woken, backups are kept, CumemError is raised, and a later call can succeed.
         """
-        requested = None if tags is None else set(_tag_tuple(tags, "tags"))
+        requested = None if tags is None else set(tag_tuple(tags, "tags"))
         self._check_open()
         wanted: Optional[list[str]] = None
         if requested is not None:
@@ -455,13 +301,13 @@ class CuMemAllocator:
         self._log_restore("wake_up", "all tags" if wanted is None else wanted, report)
         return report
 
-    def discard(self, tags: TagArg) -> dict:
+    def discard(self, tags: TagArg) -> Report:
         """Release the physical memory of the awake allocations of `tags` without backup (contents undefined after
         the next wake). Other tags are untouched."""
-        wanted = _tag_tuple(tags, "tags")
+        wanted = tag_tuple(tags, "tags")
         self._check_open()
         report = self._native.discard(list(wanted))
-        discarded = _report_bytes(report, "discarded_bytes", "discarded")
+        discarded = report["discarded_bytes"]
         logger.info(
             "cumem_rs: discard released %d bytes (%.2f GiB) of %s", discarded, discarded / _GiB, list(wanted)
         )
@@ -478,57 +324,54 @@ class CuMemAllocator:
         `sleep(offload_tags)` decides for every tag itself. `wake_fill="zero"`: its memory that wakes without a
         backup comes back zeroed instead of undefined (a device memset queued under the wake's copies).
         """
-        tag = _check_tag(tag)
+        tag = check_tag(tag)
         if backup is not None and not isinstance(backup, bool):
-            raise TypeError(f"backup must be a bool or None, got {type(backup).__name__}")
+            raise CumemTypeError(f"backup must be a bool or None, got {type(backup).__name__}")
         if wake_fill not in ("undefined", "zero"):
-            raise ValueError(f"wake_fill must be 'undefined' or 'zero', got {wake_fill!r}")
+            raise CumemValueError(f"wake_fill must be 'undefined' or 'zero', got {wake_fill!r}")
         self._check_open()
         self._native.set_tag_policy(tag, backup, wake_fill)
 
-    def pause(self, tags: Optional[TagArg] = None) -> dict:
+    def pause(self, tags: Optional[TagArg] = None) -> Report:
         """Release the awake memory of `tags` only (None: every tag), backed up per their policy (unset: backed
         up). Other tags keep their memory and their kernels keep running; only the devices holding paused
         memory are synchronized. Pausing a paused tag is a no-op. Returns the core report."""
-        wanted = None if tags is None else list(_tag_tuple(tags, "tags"))
+        wanted = None if tags is None else list(tag_tuple(tags, "tags"))
         self._check_open()
         report = self._native.pause(wanted)
         self._log_release("pause", "all tags" if wanted is None else wanted, report)
         return report
 
-    def resume(self, tags: Optional[TagArg] = None) -> dict:
+    def resume(self, tags: Optional[TagArg] = None) -> Report:
         """Wake exactly `tags` (None: every tag; unlike `wake_up`, no tag wakes unasked). All or nothing, like
         `wake_up`; resuming an awake tag is a no-op. Memory without backup comes back per its wake_fill."""
-        wanted = None if tags is None else list(_tag_tuple(tags, "tags"))
+        wanted = None if tags is None else list(tag_tuple(tags, "tags"))
         self._check_open()
         report = self._native.resume(wanted)
         self._log_restore("resume", "all tags" if wanted is None else wanted, report)
         return report
 
-    def _log_release(self, what: str, tags: object, report: dict) -> None:
-        copied = _report_bytes(report, "copied_bytes", "backed_up")
-        skipped = _report_bytes(report, "skipped_bytes")
-        discarded = _report_bytes(report, "discarded_bytes", "discarded")
-        seconds = float(report.get("seconds", 0.0))
+    def _log_release(self, what: str, tags: object, report: Report) -> None:
+        copied, skipped = report["copied_bytes"], report["skipped_bytes"]
+        discarded, seconds = report["discarded_bytes"], report["seconds"]
         logger.info(
             "cumem_rs: %s backed up %d bytes (%.2f GiB) of %s (%d copied, %d unchanged since the last wake) "
             "and discarded %d bytes (%.2f GiB); %d allocations in %.3f s (%.1f GB/s backed up)",
             what, copied + skipped, (copied + skipped) / _GiB, tags, copied, skipped, discarded, discarded / _GiB,
-            int(report.get("allocations", 0)), seconds, _rate(copied + skipped, seconds),
+            report["allocations"], seconds, _rate(copied + skipped, seconds),
         )
         forward_native_logs()
 
-    def _log_restore(self, what: str, tags: object, report: dict) -> None:
-        restored = _report_bytes(report, "copied_bytes", "restored")
-        seconds = float(report.get("seconds", 0.0))
+    def _log_restore(self, what: str, tags: object, report: Report) -> None:
+        restored, seconds = report["copied_bytes"], report["seconds"]
         logger.info(
             "cumem_rs: %s restored %d bytes (%.2f GiB) for %s; %d allocations in %.3f s (%.1f GB/s)",
-            what, restored, restored / _GiB, tags, int(report.get("allocations", 0)), seconds,
+            what, restored, restored / _GiB, tags, report["allocations"], seconds,
             _rate(restored, seconds),
         )
         forward_native_logs()
 
-    def status(self) -> dict:
+    def status(self) -> Status:
         """Per tag: allocations, mapped/asleep/backup bytes, policy (backup, wake_fill) and state (awake, asleep,
         mixed); plus `is_sleeping`. See `cumem_rs.Allocator.status`."""
         self._check_open()
@@ -547,10 +390,12 @@ def _size(nbytes: int) -> str:
     return f"{nbytes} B"
 
 
-def _summary(status: dict) -> str:
+def _summary(status: Status) -> str:
     """One line from a status dict: totals, then the state of each tag with allocations (and its policy if set)."""
     tags = {name: t for name, t in status["tags"].items() if t["allocations"]}
-    total = {k: sum(int(t[k]) for t in tags.values()) for k in ("mapped_bytes", "asleep_bytes", "backup_bytes")}
+    mapped = sum(t["mapped_bytes"] for t in tags.values())
+    asleep = sum(t["asleep_bytes"] for t in tags.values())
+    backed_up = sum(t["backup_bytes"] for t in tags.values())
     parts = []
     for name, t in tags.items():
         policy = []
@@ -560,8 +405,8 @@ def _summary(status: dict) -> str:
             policy.append(f"wake_fill={t['wake_fill']}")
         parts.append(f"{name}={t['state']}" + (f"[{','.join(policy)}]" if policy else ""))
     return (
-        f"{'sleeping' if status['is_sleeping'] else 'awake'}: {_size(total['mapped_bytes'])} mapped, "
-        f"{_size(total['asleep_bytes'])} asleep ({_size(total['backup_bytes'])} backed up); "
+        f"{'sleeping' if status['is_sleeping'] else 'awake'}: {_size(mapped)} mapped, "
+        f"{_size(asleep)} asleep ({_size(backed_up)} backed up); "
         + (" ".join(parts) if parts else "no tags")
     )
 

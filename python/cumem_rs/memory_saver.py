@@ -27,7 +27,8 @@ from typing import TYPE_CHECKING, Any, Literal, Optional
 
 import torch
 
-from ._native import CumemError, CumemOutOfMemoryError
+from ._native import CumemError, CumemOutOfMemoryError, CumemTypeError, CumemValueError
+from ._pools import check_tag, new_pool, pool_activity, pool_block
 
 if TYPE_CHECKING:
     from .allocator import CuMemAllocator
@@ -47,7 +48,7 @@ _NO_DISK_BACKUP = (
 
 def _check_flag(value: object, name: str) -> bool:
     if not isinstance(value, bool):
-        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+        raise CumemTypeError(f"{name} must be a bool, got {type(value).__name__}")
     return value
 
 
@@ -58,11 +59,11 @@ def _check_backup_args(enable_cpu_backup: object, enable_disk_backup: object, cp
         raise NotImplementedError(_NO_DISK_BACKUP)
     if cpu_backup_backend is not None:
         if cpu_backup_backend not in _CPU_BACKUP_BACKENDS:
-            raise ValueError(
+            raise CumemValueError(
                 f"cpu_backup_backend must be one of {_CPU_BACKUP_BACKENDS} or None, got {cpu_backup_backend!r}"
             )
         if not cpu:
-            raise ValueError("cpu_backup_backend requires enable_cpu_backup=True")
+            raise CumemValueError("cpu_backup_backend requires enable_cpu_backup=True")
     return cpu
 
 
@@ -70,7 +71,7 @@ def _pool_key(pool: object) -> tuple[int, int]:
     """A graph pool token (from torch.cuda.graph_pool_handle() or CUDAGraph.pool()) as a hashable tuple."""
     if isinstance(pool, (tuple, list)) and len(pool) == 2 and all(isinstance(v, int) for v in pool):
         return (int(pool[0]), int(pool[1]))
-    raise TypeError(
+    raise CumemTypeError(
         f"pool must be a graph pool token (torch.cuda.graph_pool_handle() or CUDAGraph.pool()), got {pool!r}"
     )
 
@@ -112,7 +113,7 @@ class TorchMemorySaver:
         with self._lock:
             known = self._tags.get(tag)
             if known is not None and known != cpu_backup:
-                raise ValueError(
+                raise CumemValueError(
                     f"tag {tag!r} was already used with enable_cpu_backup={known}; cumem_rs keeps one backup setting "
                     f"per tag, so use another tag for memory {'with' if cpu_backup else 'without'} CPU backup"
                 )
@@ -125,9 +126,7 @@ class TorchMemorySaver:
     def _tags_of(self, tag: Optional[str]) -> list[str]:
         """The tags a pause/resume acts on: `tag`, or every tag this object used."""
         if tag is not None:
-            from .allocator import _check_tag
-
-            return [_check_tag(tag)]
+            return [check_tag(tag)]
         with self._lock:
             return sorted(self._tags)
 
@@ -144,9 +143,7 @@ class TorchMemorySaver:
         `enable_cpu_backup` their contents are copied to host memory at pause and restored at resume; without,
         they come back undefined. `cpu_backup_backend` ("pinned" or "mmap") is accepted: backups here are always
         mmap'd host memory pinned for fast copies. Disk backup raises NotImplementedError (use CPU backup)."""
-        from .allocator import _check_tag
-
-        _check_tag(tag)
+        check_tag(tag)
         cpu = _check_backup_args(enable_cpu_backup, enable_disk_backup, cpu_backup_backend)
         return self._region(tag, cpu)
 
@@ -173,9 +170,7 @@ class TorchMemorySaver:
         (`CUDAGraph.pool()`) is shared as it is; a token of one of torch's own pools
         (`torch.cuda.graph_pool_handle()`) is replaced by one pool of ours per token and device, so graphs that
         shared the token still share memory. Replays are valid after resume: addresses never change."""
-        from .allocator import _check_tag
-
-        _check_tag(tag)
+        check_tag(tag)
         cpu = _check_backup_args(enable_cpu_backup, False, cpu_backup_backend)
         key = None if pool is None else _pool_key(pool)
         return self._cuda_graph(cuda_graph, key, stream, capture_error_mode, tag, cpu)
@@ -190,32 +185,20 @@ class TorchMemorySaver:
         tag: str,
         cpu_backup: bool,
     ) -> Iterator[None]:
-        from .allocator import _pool_activity
-
         alloc = self._allocator()
         self._use_tag(alloc, tag, cpu_backup)
-        fresh: list = []  # a pool made for this capture alone: retired after it (the graph keeps what it uses)
-        _pool_activity.enter()
-        try:
-            pool_id = self._graph_pool_id(alloc, key, fresh)
-            alloc.native.push_tag(tag)
-            try:
-                # torch types these more narrowly than it accepts them (and checks them itself).
-                token: Any = pool_id
-                mode: Any = capture_error_mode
-                with torch.cuda.graph(cuda_graph, pool=token, stream=stream, capture_error_mode=mode):
-                    yield
-            finally:
-                alloc.native.pop_tag()
-        finally:
-            _pool_activity.exit(fresh)
+        # `fresh` takes a pool made for this capture alone: retired after it (the graph keeps what it uses).
+        with pool_block(alloc.native, tag) as fresh:
+            # torch types these more narrowly than it accepts them (and checks them itself).
+            token: Any = self._graph_pool_id(key, fresh)
+            mode: Any = capture_error_mode
+            with torch.cuda.graph(cuda_graph, pool=token, stream=stream, capture_error_mode=mode):
+                yield
 
-    def _graph_pool_id(
-        self, alloc: "CuMemAllocator", key: Optional[tuple[int, int]], fresh: list
-    ) -> tuple[int, int]:
+    def _graph_pool_id(self, key: Optional[tuple[int, int]], fresh: list) -> tuple[int, int]:
         with self._lock:
             if key is None:
-                fresh.append(alloc._new_pool())
+                fresh.append(new_pool())
                 pool_id = _pool_key(fresh[0].id)
             elif key in self._our_pool_ids:
                 return key
@@ -225,7 +208,7 @@ class TorchMemorySaver:
                     if not self._graph_pools:
                         # Pools must be gone before interpreter teardown (torch aborts on a late pool release).
                         atexit.register(self._release_graph_pools)
-                    self._graph_pools[slot] = alloc._new_pool()
+                    self._graph_pools[slot] = new_pool()
                 pool_id = _pool_key(self._graph_pools[slot].id)
             self._our_pool_ids.add(pool_id)
             return pool_id
@@ -233,28 +216,20 @@ class TorchMemorySaver:
     def _release_graph_pools(self) -> None:
         """Drop the pools standing in for torch pool tokens (once no pool block is active); graphs that still use
         their memory keep it."""
-        from .allocator import _pool_activity
-
         with self._lock:
             pools = list(self._graph_pools.values())
             self._graph_pools.clear()
         atexit.unregister(self._release_graph_pools)
-        _pool_activity.retire(pools)
+        pool_activity.retire(pools)
 
     @contextlib.contextmanager
     def disable(self) -> Iterator[None]:
         """Inside the block, allocations on this thread go to torch's own caching allocator (a private pool of
         it), not to the enclosing region; tensors made here are never paused."""
-        from .allocator import _pool_activity
-
-        pools: list = []  # emptied by _pool_activity.exit: dropped once no pool block is active
-        _pool_activity.enter()
-        try:
-            pools.append(torch.cuda.MemPool())
-            with torch.cuda.use_mem_pool(pools[0]):
+        with pool_block() as retire:  # no tag: these allocations are torch's, not ours
+            retire.append(torch.cuda.MemPool())
+            with torch.cuda.use_mem_pool(retire[0]):
                 yield
-        finally:
-            _pool_activity.exit(pools)
 
     # -- pause / resume -------------------------------------------------------------------------------------------
 
@@ -310,7 +285,7 @@ class TorchMemorySaver:
     @hook_mode.setter
     def hook_mode(self, value: HookMode) -> None:
         if value not in _HOOK_MODES:
-            raise ValueError(f"hook_mode must be one of {_HOOK_MODES}, got {value!r}")
+            raise CumemValueError(f"hook_mode must be one of {_HOOK_MODES}, got {value!r}")
         self._hook_mode = value
 
     @property
@@ -321,9 +296,9 @@ class TorchMemorySaver:
     @memory_margin_bytes.setter
     def memory_margin_bytes(self, value: int) -> None:
         if isinstance(value, bool) or not isinstance(value, int):
-            raise TypeError(f"memory_margin_bytes must be an int, got {type(value).__name__}")
+            raise CumemTypeError(f"memory_margin_bytes must be an int, got {type(value).__name__}")
         if value < 0:
-            raise ValueError(f"memory_margin_bytes must be non-negative, got {value}")
+            raise CumemValueError(f"memory_margin_bytes must be non-negative, got {value}")
         self._memory_margin_bytes = value
 
     @property
@@ -350,11 +325,11 @@ class TorchMemorySaver:
         it is not memory of a region. `zero_copy=True` is accepted but still returns a copy: a view into the
         backup would dangle once resume hands that host memory to the next pause."""
         if not isinstance(x, torch.Tensor):
-            raise TypeError(f"get_cpu_backup needs a torch.Tensor, got {type(x).__name__}")
+            raise CumemTypeError(f"get_cpu_backup needs a torch.Tensor, got {type(x).__name__}")
         if not x.is_cuda:
-            raise ValueError(f"get_cpu_backup needs a CUDA tensor, got one on {x.device}")
+            raise CumemValueError(f"get_cpu_backup needs a CUDA tensor, got one on {x.device}")
         if not x.is_contiguous():
-            raise ValueError(
+            raise CumemValueError(
                 f"get_cpu_backup needs a contiguous tensor (shape {tuple(x.shape)}, strides {x.stride()})"
             )
         _check_flag(zero_copy, "zero_copy")
@@ -364,7 +339,7 @@ class TorchMemorySaver:
             # At least one byte: an empty tensor still answers whether its allocation is paused.
             data = self._allocator().native.read_backup(ptr, max(nbytes, 1))
         except ValueError as e:
-            raise ValueError(f"tensor at {ptr:#x} ({nbytes} bytes) is not memory of a region: {e}") from e
+            raise CumemValueError(f"tensor at {ptr:#x} ({nbytes} bytes) is not memory of a region: {e}") from e
         except CumemError as e:
             raise CumemError(f"tensor at {ptr:#x} was paused without CPU backup: {e}") from e
         if data is None:

@@ -7,7 +7,7 @@ from typing import Any, Optional
 
 from vllm.device_allocator.sleep_mode_backend import SleepModeBackend
 
-from ._native import cuda_available
+from ._native import CumemValueError, cuda_available
 from .vllm_plugin import check_vllm_allocator_unused
 
 #: Offloaded to host at every level, as vLLM's own backend does: "runtime" holds state built once at start-up (KV
@@ -18,7 +18,7 @@ KEPT_TAGS = ("runtime", "cudagraph")
 def offload_tags(level: int) -> tuple[str, ...]:
     """The tags `suspend(level)` backs up; every other allocation is released without a copy."""
     if isinstance(level, bool) or level not in (1, 2):
-        raise ValueError(f"sleep level must be 1 (weights to host) or 2 (weights discarded), got {level!r}")
+        raise CumemValueError(f"sleep level must be 1 (weights to host) or 2 (weights discarded), got {level!r}")
     return (("weights",) if level == 1 else ()) + KEPT_TAGS
 
 

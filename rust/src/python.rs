@@ -1,61 +1,35 @@
-//! The Python module `cumem_rs._native`: thin wrappers, argument checking and error mapping only.
+//! The Python module `cumem_rs._native`: thin wrappers only. Arguments are checked in `python/convert.rs`, the
+//! exception classes and the error mapping live in `python/errors.rs`, the returned dicts are built in
+//! `python/results.rs`.
 //! Every call into the engine releases the GIL, so a torch thread blocked in my_malloc (which never takes the
 //! GIL) can always make progress.
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::Arc;
 
-use pyo3::create_exception;
-use pyo3::exceptions::{PyRuntimeError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyBytes, PyDict, PyList};
 
 use crate::driver::cuda::{self, CudaDriver};
 use crate::driver::sim::{SimConfig, SimDriver, FAULT_ERRORS};
 use crate::driver::Op;
-use crate::engine::{Engine, TagPolicy, WakeFill};
+use crate::engine::{Engine, Report, TagPolicy, WakeFill};
 use crate::error::Error;
 use crate::{ffi, global};
 
 mod convert;
+mod errors;
+mod results;
 
 use convert::{
-    address_arg, fault_op, nth_arg, policy_dict, report_dict, size_arg, stream_arg, tag_arg,
-    tags_arg, tags_report, type_name,
+    address_arg, bool_arg, bytes_arg, fault_op, malloc_size_arg, size_arg, stream_arg, tag_arg,
+    tags_arg, type_name,
 };
-
-create_exception!(
-    _native,
-    CumemError,
-    PyRuntimeError,
-    "Base class of every error raised by cumem_rs."
-);
-create_exception!(
-    _native,
-    CumemOutOfMemoryError,
-    CumemError,
-    "Physical device or host backup memory ran out."
-);
-create_exception!(_native, DriverError, CumemError, "A driver call failed.");
-create_exception!(
-    _native,
-    ClosedError,
-    CumemError,
-    "The allocator was closed."
-);
-
-impl From<Error> for PyErr {
-    fn from(e: Error) -> PyErr {
-        let msg = e.to_string();
-        match e {
-            Error::OutOfMemory { .. } => CumemOutOfMemoryError::new_err(msg),
-            Error::Driver { .. } => DriverError::new_err(msg),
-            Error::InvalidArgument(_) | Error::UnknownAddress(_) => PyValueError::new_err(msg),
-            Error::Closed => ClosedError::new_err(msg),
-            Error::InvalidState(_) | Error::NoCuda(_) | Error::Panic(_) => CumemError::new_err(msg),
-        }
-    }
-}
+use errors::{type_error, value_error, CumemError};
+use results::{
+    allocations_list, driver_counts_dict, pin_ahead_dict, policy_dict, report_dict, stats_dict,
+    status_dict,
+};
 
 /// Run the body of a Python entry point, turning a Rust panic into `CumemError`: every entry goes through here,
 /// so no panic reaches Python as PyO3's `PanicException` (a `BaseException`, which `except Exception` misses).
@@ -63,6 +37,17 @@ impl From<Error> for PyErr {
 fn guard<T>(body: impl FnOnce() -> PyResult<T>) -> PyResult<T> {
     catch_unwind(AssertUnwindSafe(body))
         .unwrap_or_else(|p| Err(Error::Panic(crate::panic_message(&*p)).into()))
+}
+
+/// An engine call over optional tags (None: all), without the GIL, and its report as a dict.
+fn tags_report<'py>(
+    py: Python<'py>,
+    tags: Option<&Bound<'py, PyAny>>,
+    call: impl FnOnce(Option<&[String]>) -> crate::error::Result<Report> + Send,
+) -> PyResult<Bound<'py, PyDict>> {
+    let tags = tags.map(tags_arg).transpose()?;
+    let r = py.detach(|| call(tags.as_deref()))?;
+    report_dict(py, &r)
 }
 
 /// Virtual-memory allocator over one driver (simulated or CUDA).
@@ -93,7 +78,7 @@ impl Allocator {
         capacity: Option<&Bound<'_, PyAny>>,
         granularity: Option<&Bound<'_, PyAny>>,
         host_memory: Option<&Bound<'_, PyAny>>,
-        host_register_delay: f64,
+        #[pyo3(from_py_with = convert::host_register_delay)] host_register_delay: f64,
     ) -> PyResult<Allocator> {
         guard(|| {
             let defaults = SimConfig::default();
@@ -107,14 +92,7 @@ impl Allocator {
                 host_memory: host_memory
                     .map(|o| size_arg(o, "host_memory", true))
                     .transpose()?,
-                host_register_delay: (0.0..=60.0)
-                    .contains(&host_register_delay)
-                    .then(|| std::time::Duration::from_secs_f64(host_register_delay))
-                    .ok_or_else(|| {
-                        PyValueError::new_err(format!(
-                            "host_register_delay must be between 0 and 60 seconds, got {host_register_delay}"
-                        ))
-                    })?,
+                host_register_delay: std::time::Duration::from_secs_f64(host_register_delay),
             };
             let engine = Engine::new(Arc::new(SimDriver::new(config)?))?;
             Ok(Allocator {
@@ -141,17 +119,28 @@ impl Allocator {
     }
 
     fn device_count(&self) -> PyResult<usize> {
-        guard(|| Ok(self.engine.device_count()))
-    }
-
-    #[pyo3(signature = (device = 0))]
-    fn granularity(&self, device: i32) -> PyResult<usize> {
-        guard(|| Ok(self.engine.granularity(device)?))
-    }
-
-    #[pyo3(signature = (device = 0))]
-    fn mem_info(&self, py: Python<'_>, device: i32) -> PyResult<(usize, usize)> {
         guard(|| {
+            self.engine.check_not_forked()?;
+            Ok(self.engine.device_count())
+        })
+    }
+
+    #[pyo3(signature = (device = 0))]
+    fn granularity(&self, #[pyo3(from_py_with = convert::device)] device: i32) -> PyResult<usize> {
+        guard(|| {
+            self.engine.check_not_forked()?;
+            Ok(self.engine.granularity(device)?)
+        })
+    }
+
+    #[pyo3(signature = (device = 0))]
+    fn mem_info(
+        &self,
+        py: Python<'_>,
+        #[pyo3(from_py_with = convert::device)] device: i32,
+    ) -> PyResult<(usize, usize)> {
+        guard(|| {
+            self.engine.check_not_forked()?;
             self.engine.granularity(device)?;
             Ok(py.detach(|| self.engine.driver().mem_info(device))?)
         })
@@ -160,6 +149,7 @@ impl Allocator {
     /// Backend, devices and their properties.
     fn info<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         guard(|| {
+            self.engine.check_not_forked()?;
             let d = PyDict::new(py);
             d.set_item("backend", self.engine.driver().backend())?;
             let devices = PyList::empty(py);
@@ -196,12 +186,13 @@ impl Allocator {
         &self,
         py: Python<'_>,
         size: &Bound<'_, PyAny>,
-        device: i32,
+        #[pyo3(from_py_with = convert::device)] device: i32,
         stream: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<u64> {
         guard(|| {
-            let size = size_arg(size, "size", false)?;
+            let size = malloc_size_arg(size)?;
             let stream = stream_arg(py, stream)?;
+            // Engine::malloc tags the allocation with the calling thread's current tag.
             Ok(py.detach(|| self.engine.malloc(size, device, stream))?)
         })
     }
@@ -288,19 +279,17 @@ impl Allocator {
     ) -> PyResult<()> {
         guard(|| {
             let addr = address_arg(address)?;
-            let bytes: Vec<u8> = data
-                .cast::<PyBytes>()
-                .map(|b| b.as_bytes().to_vec())
-                .or_else(|_| data.extract::<Vec<u8>>())
-                .map_err(|_| {
-                    PyTypeError::new_err(format!("data must be bytes, not {}", type_name(data)))
-                })?;
+            let bytes = bytes_arg(data, "data")?;
             Ok(py.detach(|| self.engine.write(addr, &bytes))?)
         })
     }
 
     #[pyo3(signature = (device = None))]
-    fn usage(&self, py: Python<'_>, device: Option<i32>) -> PyResult<usize> {
+    fn usage(
+        &self,
+        py: Python<'_>,
+        #[pyo3(from_py_with = convert::optional_device)] device: Option<i32>,
+    ) -> PyResult<usize> {
         guard(|| {
             if let Some(d) = device {
                 self.engine.granularity(d)?;
@@ -310,68 +299,29 @@ impl Allocator {
     }
 
     fn allocations<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
-        guard(|| {
-            let list = PyList::empty(py);
-            for a in py.detach(|| self.engine.allocations())? {
-                let d = PyDict::new(py);
-                d.set_item("address", a.addr)?;
-                d.set_item("size", a.size)?;
-                d.set_item("requested", a.requested)?;
-                d.set_item("device", a.device)?;
-                d.set_item("tag", a.tag)?;
-                d.set_item("asleep", a.asleep)?;
-                d.set_item("backed_up", a.backed_up)?;
-                list.append(d)?;
-            }
-            Ok(list)
-        })
+        guard(|| allocations_list(py, &py.detach(|| self.engine.allocations())?))
     }
 
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         guard(|| {
+            self.engine.check_not_forked()?;
             let s = py.detach(|| self.engine.stats());
-            let d = PyDict::new(py);
-            d.set_item("live_allocations", s.live_allocations)?;
-            d.set_item("asleep_allocations", s.asleep_allocations)?;
-            d.set_item("mapped_bytes", s.mapped_bytes)?;
-            d.set_item("asleep_bytes", s.asleep_bytes)?;
-            d.set_item("peak_mapped_bytes", s.peak_mapped_bytes)?;
-            d.set_item("host_backup_bytes", s.host_backup_bytes)?;
-            d.set_item("host_cached_bytes", s.host_cached_bytes)?;
-            d.set_item("host_retained_bytes", s.host_retained_bytes)?;
-            d.set_item("retained_allocations", s.retained_allocations)?;
-            d.set_item("mallocs", s.mallocs)?;
-            d.set_item("frees", s.frees)?;
-            d.set_item("sleeps", s.sleeps)?;
-            d.set_item("wakes", s.wakes)?;
-            d.set_item("recorded_errors", s.recorded_errors)?;
-            d.set_item("pending_releases", s.pending_releases)?;
-            d.set_item("wake_groups", s.wake_groups)?;
-            d.set_item("unreturned_bytes", s.unreturned_bytes)?;
-            d.set_item(
-                "last_sleep",
-                s.last_sleep
-                    .as_ref()
-                    .map(|r| report_dict(py, r))
-                    .transpose()?,
-            )?;
-            d.set_item(
-                "last_wake",
-                s.last_wake
-                    .as_ref()
-                    .map(|r| report_dict(py, r))
-                    .transpose()?,
-            )?;
-            Ok(d)
+            stats_dict(py, &s)
         })
     }
 
     fn host_bytes(&self, py: Python<'_>) -> PyResult<usize> {
-        guard(|| Ok(py.detach(|| self.engine.host_bytes())))
+        guard(|| {
+            self.engine.check_not_forked()?;
+            Ok(py.detach(|| self.engine.host_bytes()))
+        })
     }
 
-    fn set_keep_host_memory(&self, py: Python<'_>, keep: bool) -> PyResult<()> {
-        guard(|| Ok(py.detach(|| self.engine.set_keep_host_memory(keep))?))
+    fn set_keep_host_memory(&self, py: Python<'_>, keep: &Bound<'_, PyAny>) -> PyResult<()> {
+        guard(|| {
+            let keep = bool_arg(keep, "keep")?;
+            Ok(py.detach(|| self.engine.set_keep_host_memory(keep))?)
+        })
     }
 
     #[pyo3(signature = (nbytes, background = false))]
@@ -379,7 +329,7 @@ impl Allocator {
         &self,
         py: Python<'_>,
         nbytes: &Bound<'_, PyAny>,
-        background: bool,
+        #[pyo3(from_py_with = convert::background)] background: bool,
     ) -> PyResult<()> {
         guard(|| {
             let n = size_arg(nbytes, "nbytes", false)?;
@@ -391,11 +341,7 @@ impl Allocator {
     fn pin_ahead_status<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         guard(|| {
             let s = py.detach(|| self.engine.pin_ahead_status())?;
-            let d = PyDict::new(py);
-            d.set_item("running", s.running)?;
-            d.set_item("pinned", s.pinned)?;
-            d.set_item("nbytes", s.nbytes)?;
-            Ok(d)
+            pin_ahead_dict(py, &s)
         })
     }
 
@@ -419,8 +365,11 @@ impl Allocator {
         })
     }
 
-    fn set_retain_backups(&self, py: Python<'_>, on: bool) -> PyResult<()> {
-        guard(|| Ok(py.detach(|| self.engine.set_retain_backups(on))?))
+    fn set_retain_backups(&self, py: Python<'_>, on: &Bound<'_, PyAny>) -> PyResult<()> {
+        guard(|| {
+            let on = bool_arg(on, "on")?;
+            Ok(py.detach(|| self.engine.set_retain_backups(on))?)
+        })
     }
 
     fn retains_backups(&self, py: Python<'_>) -> PyResult<bool> {
@@ -443,7 +392,10 @@ impl Allocator {
 
     #[getter]
     fn wake_group_bytes(&self, py: Python<'_>) -> PyResult<usize> {
-        guard(|| Ok(py.detach(|| self.engine.wake_group_bytes())))
+        guard(|| {
+            self.engine.check_not_forked()?;
+            Ok(py.detach(|| self.engine.wake_group_bytes()))
+        })
     }
 
     /// Driver-computed fingerprints of [address, address+length): a list of (lo, hi) pairs, one per chunk.
@@ -466,20 +418,28 @@ impl Allocator {
     }
 
     fn errors(&self, py: Python<'_>) -> PyResult<Vec<String>> {
-        guard(|| Ok(py.detach(|| self.engine.errors())))
+        guard(|| {
+            self.engine.check_not_forked()?;
+            Ok(py.detach(|| self.engine.errors()))
+        })
     }
 
     #[pyo3(signature = (op, nth = 1, error = "unknown"))]
-    fn inject_fault(&self, op: &str, nth: i128, error: &str) -> PyResult<()> {
+    fn inject_fault(
+        &self,
+        op: &Bound<'_, PyAny>,
+        #[pyo3(from_py_with = convert::nth)] nth: u64,
+        #[pyo3(from_py_with = convert::fault_error)] error: &'static str,
+    ) -> PyResult<()> {
         guard(|| {
             let sim = self.sim()?;
-            let (op, nth) = (fault_op(op)?, nth_arg(nth)?);
+            let op = fault_op(op)?;
             let code = FAULT_ERRORS
                 .iter()
                 .find(|(n, _)| *n == error)
                 .map(|(_, c)| *c)
                 .ok_or_else(|| {
-                    PyValueError::new_err(format!(
+                    value_error(format!(
                         "unknown fault error {error:?}; expected one of {:?}",
                         FAULT_ERRORS.iter().map(|(n, _)| *n).collect::<Vec<_>>()
                     ))
@@ -490,10 +450,14 @@ impl Allocator {
 
     /// Test hook: the `nth` next call of `op` panics inside the simulated driver.
     #[pyo3(signature = (op, nth = 1))]
-    fn inject_panic(&self, op: &str, nth: i128) -> PyResult<()> {
+    fn inject_panic(
+        &self,
+        op: &Bound<'_, PyAny>,
+        #[pyo3(from_py_with = convert::nth)] nth: u64,
+    ) -> PyResult<()> {
         guard(|| {
             let sim = self.sim()?;
-            Ok(sim.inject_panic(fault_op(op)?, nth_arg(nth)?)?)
+            Ok(sim.inject_panic(fault_op(op)?, nth)?)
         })
     }
 
@@ -507,21 +471,7 @@ impl Allocator {
     fn driver_counts<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         guard(|| {
             let c = self.sim()?.counts();
-            let d = PyDict::new(py);
-            d.set_item("ranges", c.ranges)?;
-            d.set_item("handles", c.handles)?;
-            d.set_item("mapped_bytes", c.mapped_bytes)?;
-            d.set_item("used_bytes", c.used_bytes)?;
-            d.set_item("host_registered", c.host_registered)?;
-            d.set_item("host_allocated", c.host_allocated)?;
-            d.set_item("markers", c.markers)?;
-            d.set_item("fingerprint_batches", c.fingerprint_batches)?;
-            let calls = PyDict::new(py);
-            for (op, n) in c.calls {
-                calls.set_item(op, n)?;
-            }
-            d.set_item("calls", calls)?;
-            Ok(d)
+            driver_counts_dict(py, &c)
         })
     }
 
@@ -539,7 +489,10 @@ impl Allocator {
 
     #[getter]
     fn closed(&self, py: Python<'_>) -> PyResult<bool> {
-        guard(|| Ok(py.detach(|| self.engine.is_closed())))
+        guard(|| {
+            self.engine.check_not_forked()?;
+            Ok(py.detach(|| self.engine.is_closed()))
+        })
     }
 
     fn __repr__(&self, py: Python<'_>) -> PyResult<String> {
@@ -563,14 +516,14 @@ impl Allocator {
         py: Python<'_>,
         tag: &Bound<'_, PyAny>,
         backup: Option<&Bound<'_, PyAny>>,
-        wake_fill: &str,
+        #[pyo3(from_py_with = convert::wake_fill)] wake_fill: &'static str,
     ) -> PyResult<()> {
         guard(|| {
             let tag = tag_arg(tag)?;
             let backup = match backup {
                 None => None,
                 Some(b) => Some(b.cast::<PyBool>().map(|b| b.is_true()).map_err(|_| {
-                    PyTypeError::new_err(format!(
+                    type_error(format!(
                         "backup must be a bool or None, not {}",
                         type_name(b)
                     ))
@@ -617,21 +570,7 @@ impl Allocator {
     fn status<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         guard(|| {
             let s = py.detach(|| self.engine.status())?;
-            let tags = PyDict::new(py);
-            for (tag, t) in &s.tags {
-                let d = policy_dict(py, &t.policy)?;
-                d.set_item("allocations", t.allocations)?;
-                d.set_item("mapped_bytes", t.mapped_bytes)?;
-                d.set_item("asleep_bytes", t.asleep_bytes)?;
-                d.set_item("backup_bytes", t.backup_bytes)?;
-                d.set_item("retained_bytes", t.retained_bytes)?;
-                d.set_item("state", t.state())?;
-                tags.set_item(tag, d)?;
-            }
-            let d = PyDict::new(py);
-            d.set_item("is_sleeping", s.is_sleeping)?;
-            d.set_item("tags", tags)?;
-            Ok(d)
+            status_dict(py, &s)
         })
     }
 
@@ -657,15 +596,23 @@ impl Allocator {
 /// The host reference fingerprint of `data` (a multiple of 16 bytes) in chunks of `chunk` bytes: the same
 /// values the GPU kernel computes on the same bytes.
 #[pyfunction]
-fn fingerprint_bytes(data: &[u8], chunk: usize) -> PyResult<Vec<(u64, u64)>> {
+fn fingerprint_bytes(
+    data: &Bound<'_, PyAny>,
+    chunk: &Bound<'_, PyAny>,
+) -> PyResult<Vec<(u64, u64)>> {
     guard(|| {
-        if chunk == 0
-            || !chunk.is_multiple_of(crate::fingerprint::WORD)
+        let data = data
+            .cast::<PyBytes>()
+            .map_err(|_| type_error(format!("data must be bytes, not {}", type_name(data))))?
+            .as_bytes();
+        let chunk = size_arg(chunk, "chunk", false)?;
+        if !chunk.is_multiple_of(crate::fingerprint::WORD)
             || !data.len().is_multiple_of(crate::fingerprint::WORD)
         {
-            return Err(PyValueError::new_err(
-                "chunk and len(data) must be multiples of 16 (chunk positive)",
-            ));
+            return Err(value_error(format!(
+                "chunk and len(data) must be multiples of 16, got chunk {chunk} and len(data) {}",
+                data.len()
+            )));
         }
         Ok(crate::fingerprint::chunks(data.len(), chunk)
             .map(|(off, len)| {
@@ -715,20 +662,13 @@ fn _panic_in_next_ffi_call(on: bool) -> PyResult<()> {
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     guard(|| {
-        let py = m.py();
         m.add("__version__", env!("CARGO_PKG_VERSION"))?;
         m.add("FAULT_OPS", fault_ops())?;
         m.add(
             "FAULT_ERRORS",
             FAULT_ERRORS.iter().map(|(n, _)| *n).collect::<Vec<_>>(),
         )?;
-        m.add("CumemError", py.get_type::<CumemError>())?;
-        m.add(
-            "CumemOutOfMemoryError",
-            py.get_type::<CumemOutOfMemoryError>(),
-        )?;
-        m.add("DriverError", py.get_type::<DriverError>())?;
-        m.add("ClosedError", py.get_type::<ClosedError>())?;
+        errors::register(m)?;
         m.add_class::<Allocator>()?;
         m.add_function(wrap_pyfunction!(cuda_available, m)?)?;
         m.add_function(wrap_pyfunction!(is_cuda_allocator_ready, m)?)?;

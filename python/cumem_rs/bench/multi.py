@@ -22,11 +22,7 @@ import sys
 import time
 from typing import Any, Callable, Optional
 
-from .bench import DEFAULT_CYCLES, publish, resolve_backend
-from .bench.common import Results, fmt_bytes, say, timed
-from .bench.limits import memcpy_gbps as _memcpy_gbps
-from .bench.sleep_wake import sleep_wake_cycles as _sleep_wake_cycles
-from .workload import (
+from ..workload import (
     add_workload_arguments,
     KV_TAG,
     WEIGHTS_TAG,
@@ -38,6 +34,10 @@ from .workload import (
     sim_granularity,
     total_bytes,
 )
+from . import DEFAULT_CYCLES, publish, resolve_backend
+from .common import Results, fmt_bytes, say
+from .limits import memcpy_gbps as _memcpy_gbps
+from .sleep_wake import sleep_wake_cycles as _sleep_wake_cycles
 
 DEFAULT_SIM_SCALE = 512
 DEFAULT_SIM_DEVICES = 2
@@ -102,7 +102,7 @@ def _freed_rows(res: Results, devices: list[int], free_of: Callable[[int], int],
 
 
 def bench_sim(args: argparse.Namespace) -> Results:
-    from . import Allocator
+    from .. import Allocator
 
     scale = args.scale or DEFAULT_SIM_SCALE
     ndev = args.devices or DEFAULT_SIM_DEVICES
@@ -224,8 +224,8 @@ def _check_routed(core: Any, wl: TorchWorkload, device: int) -> None:
 def bench_cuda(args: argparse.Namespace) -> Results:
     import torch
 
-    from . import Allocator
-    from .allocator import CuMemAllocator
+    from .. import Allocator
+    from ..allocator import CuMemAllocator
 
     scale = args.scale or 1
     count = torch.cuda.device_count()
@@ -328,7 +328,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m cumem_rs.bench_multi", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m cumem_rs.bench.multi", description=__doc__.splitlines()[0])
     add_arguments(p)
     return run(p.parse_args(argv))
 

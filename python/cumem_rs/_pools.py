@@ -1,0 +1,185 @@
+"""The torch side of routing allocations to cumem_rs, shared by `allocator.py` and `memory_saver.py`: tag checks, the
+one pluggable allocator, pool activity across threads, and the block that routes a thread's allocations to a pool
+under a tag (`pool_block`). torch's MemPool caveats are handled here and nowhere else:
+
+* The pluggable allocator is kept alive for the whole process: torch's private pools hold a raw pointer to it,
+  and a pool released after it (at interpreter shutdown, by a CUDA graph) would call into a dead object.
+* A MemPool is only ever dropped while no pool block is active in the process: torch aborts the process when a
+  pool is destroyed while allocations are being routed to any pool (its event sync asserts that no such routing
+  is under way). Pools to drop wait until the last active block, on any thread, has ended.
+* `expandable_segments` cannot be used with a MemPool (pytorch#147851): it is switched off while a pool block is
+  active and the complete previous allocator settings string is restored afterwards.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import re
+import threading
+from collections.abc import Iterable, Iterator
+from typing import Optional
+
+import torch
+
+from . import _native
+from ._native import Allocator, CumemTypeError, CumemValueError
+
+# --- argument checks ---------------------------------------------------------------------------------------------
+
+
+def check_tag(tag: object) -> str:
+    """`tag` if it is a non-empty str; CumemTypeError / CumemValueError otherwise."""
+    if not isinstance(tag, str):
+        raise CumemTypeError(f"a tag must be a str, got {type(tag).__name__}")
+    if not tag:
+        raise CumemValueError("a tag must be a non-empty str")
+    return tag
+
+
+def tag_tuple(tags: object, name: str) -> tuple[str, ...]:
+    """A str means one tag; any other iterable is a collection of tags (possibly empty)."""
+    if isinstance(tags, str):
+        return (check_tag(tags),)
+    if isinstance(tags, (bytes, bytearray)) or not isinstance(tags, Iterable):
+        raise CumemTypeError(f"{name} must be a str or a collection of str, got {type(tags).__name__}")
+    return tuple(check_tag(t) for t in tags)
+
+
+# --- allocator settings (expandable segments) ---------------------------------------------------------------------
+
+_EXPANDABLE_RE = re.compile(r"expandable_segments\s*:\s*(\w+)")
+
+
+def _get_alloc_conf() -> str:
+    """The allocator settings string in force. Newer torch reports the last one set (by env or at run time);
+    torch 2.11 and older only have the environment, read in the order torch's CUDA allocator reads it."""
+    getter = getattr(torch._C, "_accelerator_getAllocatorSettings", None)
+    if getter is not None:
+        try:
+            return str(getter())
+        except Exception:  # a build without the accelerator config: use the environment
+            pass
+    return os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or os.environ.get("PYTORCH_ALLOC_CONF") or ""
+
+
+def _set_alloc_conf(conf: str) -> None:
+    # The whole string is always set: older torch resets the keys it is not given (max_split_size_mb, ...).
+    setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
+    if setter is not None:
+        setter(conf)
+    else:
+        torch.cuda.memory._set_allocator_settings(conf)
+
+
+def _expandable_enabled(conf: str) -> bool:
+    values = _EXPANDABLE_RE.findall(conf)
+    return bool(values) and values[-1].lower() == "true"
+
+
+# --- pool activity ------------------------------------------------------------------------------------------------
+
+
+class PoolActivity:
+    """Process-wide state of our pool blocks, across threads. While at least one block is active:
+
+    * expandable segments are off; the settings string seen before the first block is restored after the last;
+    * no MemPool is destroyed: pools handed to `exit`/`retire` are kept here and dropped, under the lock (so no
+      block can start meanwhile), when the last block ends.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._depth = 0
+        self._saved_conf: Optional[str] = None
+        self._retired: list[torch.cuda.memory.MemPool] = []
+
+    def enter(self) -> None:
+        with self._lock:
+            if self._depth == 0:
+                conf = _get_alloc_conf()
+                if _expandable_enabled(conf):
+                    _set_alloc_conf(_EXPANDABLE_RE.sub("expandable_segments:False", conf))
+                    self._saved_conf = conf
+            self._depth += 1
+
+    def exit(self, pools: list) -> None:
+        """End one block; `pools` (emptied here, so the caller holds no reference) are dropped once idle."""
+        with self._lock:
+            self._retired.extend(pools)
+            pools.clear()
+            self._depth -= 1
+            if self._depth == 0:
+                try:
+                    if self._saved_conf is not None:
+                        saved, self._saved_conf = self._saved_conf, None
+                        _set_alloc_conf(saved)
+                finally:
+                    self._drop_retired()
+
+    def retire(self, pools: list) -> None:
+        """Drop `pools` (emptied here) now if no block is active, else when the last one ends."""
+        with self._lock:
+            self._retired.extend(pools)
+            pools.clear()
+            if self._depth == 0:
+                self._drop_retired()
+
+    def _drop_retired(self) -> None:
+        # Our references are normally the last: torch releases each pool here, returning its unused segments
+        # through my_free (no Python runs in there, so holding the lock is safe).
+        self._retired.clear()
+
+
+#: The one PoolActivity of the process: every pool block of every module enters and exits it.
+pool_activity = PoolActivity()
+
+
+@contextlib.contextmanager
+def pool_block(native: Optional[Allocator] = None, tag: Optional[str] = None) -> Iterator[list]:
+    """One pool block: `pool_activity` entered (expandable segments off, no pool destroyed meanwhile) and, with
+    `native`, `tag` pushed as the innermost tag of this thread, both undone at exit in reverse order.
+
+    Yields a list for the pools made for this block alone: make them inside the block and keep them only there;
+    they are handed to `pool_activity` at exit (the list is emptied, so no frame keeps a pool alive and drops it
+    later, at a moment when another block is routing allocations).
+    """
+    retire: list = []
+    pool_activity.enter()
+    try:
+        if native is None:
+            yield retire
+        else:
+            native.push_tag(check_tag(tag))
+            try:
+                yield retire
+            finally:
+                native.pop_tag()
+    finally:
+        pool_activity.exit(retire)
+
+
+# --- the pluggable allocator ----------------------------------------------------------------------------------------
+
+_PLUGGABLE: Optional[torch.cuda.memory.CUDAPluggableAllocator] = None
+_PLUGGABLE_LOCK = threading.Lock()
+
+
+def pluggable() -> torch.cuda.memory.CUDAPluggableAllocator:
+    """The one CUDAPluggableAllocator over our `my_malloc`/`my_free`, created once and never destroyed."""
+    global _PLUGGABLE
+    with _PLUGGABLE_LOCK:
+        if _PLUGGABLE is None:
+            allocator = torch.cuda.memory.CUDAPluggableAllocator(_native.__file__, "my_malloc", "my_free")
+            # Deliberate leak: torch's private pools keep a raw pointer to this C++ allocator and call it when they
+            # release segments, possibly during interpreter shutdown after module globals are cleared. One extra
+            # reference keeps it alive until the process ends (vLLM hit "pure virtual method called" there).
+            ctypes.pythonapi.Py_IncRef(ctypes.py_object(allocator._allocator))
+            _PLUGGABLE = allocator
+        return _PLUGGABLE
+
+
+def new_pool() -> torch.cuda.memory.MemPool:
+    """A fresh MemPool over our allocator. Make it inside a `pool_block` and retire it through one."""
+    return torch.cuda.memory.MemPool(pluggable()._allocator)

@@ -1,0 +1,163 @@
+"""The types of the dicts `cumem_rs.Allocator` returns: one `TypedDict` per kind, used by `_native.pyi`.
+
+They exist at run time too, so callers can annotate with them (`def log(r: cumem_rs.results.Report)`) and tests can
+compare them with what a real call returns (`tests/test_results.py`: the keys the extension builds, in
+`rust/src/python/results.rs`, must be exactly these).
+"""
+
+from __future__ import annotations
+
+from typing import Literal, Optional, TypedDict
+
+__all__ = [
+    "AllocationRecord",
+    "DeviceInfo",
+    "DriverCounts",
+    "Info",
+    "PinAheadStatus",
+    "Report",
+    "Stats",
+    "Status",
+    "TagPolicy",
+    "TagStatus",
+    "WakeFill",
+]
+
+WakeFill = Literal["undefined", "zero"]
+
+
+class Report(TypedDict):
+    """What one `sleep`, `wake_up`, `discard`, `pause` or `resume` did. Sizes are the allocations' rounded (mapped)
+    sizes; bytes backed up by a sleep = `copied_bytes` + `skipped_bytes`."""
+
+    #: Allocations the call released (sleep, discard, pause) or mapped again (wake, resume).
+    allocations: int
+    #: Bytes copied to host (sleep) or back to the device (wake).
+    copied_bytes: int
+    #: Bytes released without backup (sleep, discard) or woken without contents (wake).
+    discarded_bytes: int
+    #: Of the bytes woken without contents, those zero-filled per their tag's `wake_fill` (wake only).
+    zeroed_bytes: int
+    #: Bytes of retained backups not copied because their chunks did not change since the wake (sleep only).
+    skipped_bytes: int
+    #: Chunks of retained backups whose fingerprints were compared (sleep only).
+    chunks_checked: int
+    fingerprint_seconds: float
+    seconds: float
+    #: copied_bytes / seconds / 1e9 (0.0 when nothing took time).
+    gb_per_s: float
+
+
+class AllocationRecord(TypedDict):
+    """One live allocation, as listed by `allocations()`."""
+
+    address: int
+    #: Mapped size: the request rounded up to the granularity.
+    size: int
+    requested: int
+    device: int
+    tag: str
+    asleep: bool
+    #: Asleep with a host backup (restored by the next wake).
+    backed_up: bool
+
+
+class Stats(TypedDict):
+    """The counters of `stats()`."""
+
+    live_allocations: int
+    asleep_allocations: int
+    mapped_bytes: int
+    asleep_bytes: int
+    peak_mapped_bytes: int
+    host_backup_bytes: int
+    host_cached_bytes: int
+    host_retained_bytes: int
+    retained_allocations: int
+    mallocs: int
+    frees: int
+    sleeps: int
+    wakes: int
+    recorded_errors: int
+    pending_releases: int
+    wake_groups: int
+    unreturned_bytes: int
+    last_sleep: Optional[Report]
+    last_wake: Optional[Report]
+
+
+class PinAheadStatus(TypedDict):
+    """The background pinning worker (`pin_ahead_status()`): all false/0 when there is none."""
+
+    running: bool
+    #: Bytes pinned so far.
+    pinned: int
+    #: Bytes the worker pins in all.
+    nbytes: int
+
+
+class TagPolicy(TypedDict):
+    """The policy of one tag (`tag_policy()`)."""
+
+    backup: Optional[bool]
+    wake_fill: WakeFill
+
+
+class TagStatus(TypedDict):
+    """One tag of `status()`: its allocations, bytes, policy and state."""
+
+    allocations: int
+    mapped_bytes: int
+    asleep_bytes: int
+    #: Backups of asleep allocations plus retained ones.
+    backup_bytes: int
+    #: Retained backups of awake allocations.
+    retained_bytes: int
+    backup: Optional[bool]
+    wake_fill: WakeFill
+    state: Literal["awake", "asleep", "mixed"]
+
+
+class Status(TypedDict):
+    """`status()`: every tag with an allocation or a policy."""
+
+    is_sleeping: bool
+    tags: dict[str, TagStatus]
+
+
+class DriverCounts(TypedDict):
+    """What the simulated driver holds (`driver_counts()`, simulated driver only)."""
+
+    ranges: int
+    handles: int
+    mapped_bytes: int
+    #: Physical bytes in use, per device.
+    used_bytes: list[int]
+    host_registered: int
+    host_allocated: int
+    markers: int
+    fingerprint_batches: int
+    #: Calls so far, per operation name (see FAULT_OPS).
+    calls: dict[str, int]
+
+
+class DeviceInfo(TypedDict):
+    """One device of `info()`."""
+
+    device: int
+    name: str
+    free: int
+    total: int
+    granularity: int
+    rdma_with_vmm: bool
+
+
+class _InfoKeys(TypedDict):
+    backend: str
+    devices: list[DeviceInfo]
+
+
+class Info(_InfoKeys, total=False):
+    """`info()`: the backend and its devices; `driver_version` on CUDA only."""
+
+    driver_version: int
