@@ -62,7 +62,7 @@ impl From<Error> for PyErr {
 /// A panic that interrupted an engine call while it held the allocator's lock has also poisoned that allocator.
 fn guard<T>(body: impl FnOnce() -> PyResult<T>) -> PyResult<T> {
     catch_unwind(AssertUnwindSafe(body))
-        .unwrap_or_else(|p| Err(Error::Panic(crate::panic_message(&*p)).into()))
+        .unwrap_or_else(|p| Err(Error::Panic(crate::error::panic_message(&*p)).into()))
 }
 
 /// Virtual-memory allocator over one driver (simulated or CUDA).

@@ -91,7 +91,7 @@ impl CudaDriver {
         std::panic::catch_unwind(Self::init).unwrap_or_else(|p| {
             Err(Error::NoCuda(format!(
                 "loading the CUDA driver panicked: {}",
-                crate::panic_message(&*p)
+                crate::error::panic_message(&*p)
             )))
         })
     }
