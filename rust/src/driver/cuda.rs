@@ -10,6 +10,7 @@ use std::sync::OnceLock;
 
 use cudarc::driver::sys::{self, CUresult};
 
+use super::cuda_check::check;
 use super::cuda_fingerprint::FingerprintKernel;
 use super::{DevPtr, Driver, HostPtr, Op, PhysHandle};
 use crate::error::{Error, Result};
@@ -51,26 +52,6 @@ pub struct DeviceInfo {
     pub name: String,
     pub granularity: usize,
     pub rdma_with_vmm: bool,
-}
-
-fn error_name(code: CUresult) -> String {
-    let mut p: *const std::ffi::c_char = std::ptr::null();
-    // SAFETY: cuGetErrorName writes a pointer to a static string or leaves it null.
-    let r = unsafe { sys::cuGetErrorName(code, &mut p) };
-    if r == CUresult::CUDA_SUCCESS && !p.is_null() {
-        // SAFETY: non-null pointer to a NUL-terminated static string owned by the driver.
-        unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned()
-    } else {
-        format!("{code:?}")
-    }
-}
-
-pub(super) fn check(op: &'static str, r: CUresult) -> Result<()> {
-    if r == CUresult::CUDA_SUCCESS {
-        Ok(())
-    } else {
-        Err(Error::driver(op, r as i32, error_name(r)))
-    }
 }
 
 /// Whether libcuda can be loaded; never panics.

@@ -11,7 +11,7 @@ use std::ffi::c_void;
 use cudarc::driver::sys;
 use parking_lot::Mutex;
 
-use super::cuda::check;
+use super::cuda_check::check;
 use super::{DevPtr, Op};
 use crate::error::{Error, Result};
 use crate::fingerprint::{Fingerprint, WORD};

@@ -29,6 +29,7 @@
 //! ```
 
 pub mod cuda;
+mod cuda_check;
 mod cuda_fingerprint;
 pub mod sim;
 
