@@ -10,7 +10,7 @@ use pyo3::exceptions::{PyRuntimeError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyBytes, PyDict, PyList};
 
-use crate::driver::cuda::{self, CudaDriver};
+use crate::driver::cuda;
 use crate::driver::sim::{SimConfig, SimDriver, FAULT_ERRORS};
 use crate::driver::Op;
 use crate::engine::{Engine, TagPolicy, WakeFill};
@@ -161,31 +161,26 @@ impl Allocator {
     fn info<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         guard(|| {
             let d = PyDict::new(py);
-            d.set_item("backend", self.engine.driver().backend())?;
+            let driver = self.engine.driver();
+            d.set_item("backend", driver.backend())?;
             let devices = PyList::empty(py);
+            let mut driver_version = None;
             for dev in 0..self.engine.device_count() as i32 {
                 let e = PyDict::new(py);
-                let (free, total) = py.detach(|| self.engine.driver().mem_info(dev))?;
+                let (free, total) = py.detach(|| driver.mem_info(dev))?;
+                let facts = py.detach(|| driver.device_info(dev))?;
                 e.set_item("device", dev)?;
                 e.set_item("free", free)?;
                 e.set_item("total", total)?;
                 e.set_item("granularity", self.engine.granularity(dev)?)?;
+                e.set_item("name", facts.name)?;
+                e.set_item("rdma_with_vmm", facts.rdma_with_vmm)?;
                 devices.append(e)?;
+                driver_version = driver_version.or(facts.driver_version);
             }
             d.set_item("devices", &devices)?;
-            if self.engine.driver().backend() == "cuda" {
-                let cuda = CudaDriver::new()?;
-                d.set_item("driver_version", cuda.driver_version())?;
-                for (dev, e) in devices.iter().enumerate() {
-                    let i = cuda.device_info(dev as i32)?;
-                    e.set_item("name", i.name)?;
-                    e.set_item("rdma_with_vmm", i.rdma_with_vmm)?;
-                }
-            } else {
-                for e in devices.iter() {
-                    e.set_item("name", "simulated device")?;
-                    e.set_item("rdma_with_vmm", false)?;
-                }
+            if let Some(version) = driver_version {
+                d.set_item("driver_version", version)?;
             }
             Ok(d)
         })

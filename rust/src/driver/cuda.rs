@@ -12,7 +12,7 @@ use cudarc::driver::sys::{self, CUresult};
 
 use super::cuda_check::check;
 use super::cuda_fingerprint::FingerprintKernel;
-use super::{DevPtr, Driver, HostPtr, Op, PhysHandle};
+use super::{DevPtr, DeviceInfo, Driver, HostPtr, Op, PhysHandle};
 use crate::error::{Error, Result};
 use crate::fingerprint::Fingerprint;
 
@@ -44,14 +44,6 @@ struct Device {
 pub struct CudaDriver {
     devices: Vec<Device>,
     driver_version: i32,
-}
-
-/// Public facts about a device, for `info`.
-#[derive(Debug, Clone)]
-pub struct DeviceInfo {
-    pub name: String,
-    pub granularity: usize,
-    pub rdma_with_vmm: bool,
 }
 
 /// Whether libcuda can be loaded; never panics.
@@ -128,31 +120,6 @@ impl CudaDriver {
                 driver_version: version,
             })
         }
-    }
-
-    pub fn driver_version(&self) -> i32 {
-        self.driver_version
-    }
-
-    pub fn device_info(&self, device: i32) -> Result<DeviceInfo> {
-        let d = self.device(device)?;
-        let mut name = [0 as std::ffi::c_char; 256];
-        // SAFETY: the buffer holds 256 bytes and the driver writes a NUL-terminated name into it.
-        unsafe {
-            check(
-                "cuDeviceGetName",
-                sys::cuDeviceGetName(name.as_mut_ptr(), 256, d.ordinal),
-            )?
-        };
-        // SAFETY: NUL-terminated by the driver (and zero-initialised).
-        let name = unsafe { CStr::from_ptr(name.as_ptr()) }
-            .to_string_lossy()
-            .into_owned();
-        Ok(DeviceInfo {
-            name,
-            granularity: d.granularity,
-            rdma_with_vmm: d.rdma_with_vmm,
-        })
     }
 
     fn device(&self, device: i32) -> Result<&Device> {
@@ -332,6 +299,28 @@ impl Driver for CudaDriver {
         // SAFETY: valid out-pointers; the device's context is current.
         unsafe { check("cuMemGetInfo", sys::cuMemGetInfo_v2(&mut free, &mut total))? };
         Ok((free, total))
+    }
+
+    fn device_info(&self, device: i32) -> Result<DeviceInfo> {
+        let d = self.device(device)?;
+        let mut name = [0 as std::ffi::c_char; 256];
+        // SAFETY: the buffer holds 256 bytes and the driver writes a NUL-terminated name into it.
+        unsafe {
+            check(
+                "cuDeviceGetName",
+                sys::cuDeviceGetName(name.as_mut_ptr(), 256, d.ordinal),
+            )?
+        };
+        // SAFETY: NUL-terminated by the driver (and zero-initialised).
+        let name = unsafe { CStr::from_ptr(name.as_ptr()) }
+            .to_string_lossy()
+            .into_owned();
+        Ok(DeviceInfo {
+            name,
+            granularity: d.granularity,
+            rdma_with_vmm: d.rdma_with_vmm,
+            driver_version: Some(self.driver_version),
+        })
     }
 
     fn reserve(&self, device: i32, size: usize) -> Result<DevPtr> {

@@ -47,6 +47,19 @@ pub struct PhysHandle(pub u64);
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct HostPtr(pub usize);
 
+/// What a driver can tell about one of its devices (printed by `info()`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DeviceInfo {
+    /// The device's marketing name ("NVIDIA H200"), or "simulated device".
+    pub name: String,
+    /// Minimum granularity of physical allocations, as `Driver::granularity`.
+    pub granularity: usize,
+    /// Whether physical memory is created GPUDirect-RDMA capable (NICs can register it).
+    pub rdma_with_vmm: bool,
+    /// The CUDA driver's version (`cuDriverGetVersion`, e.g. 12080); None on the simulated driver.
+    pub driver_version: Option<i32>,
+}
+
 /// The operations of a driver, named as fault-injection targets use them.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum Op {
@@ -130,6 +143,8 @@ pub trait Driver: Send + Sync {
     fn granularity(&self, device: i32) -> Result<usize>;
     /// (free, total) physical bytes on `device`.
     fn mem_info(&self, device: i32) -> Result<(usize, usize)>;
+    /// Facts about `device` for diagnostics; the simulated driver answers with its configuration.
+    fn device_info(&self, device: i32) -> Result<DeviceInfo>;
 
     /// Reserve `size` bytes of virtual address space (no physical memory).
     fn reserve(&self, device: i32, size: usize) -> Result<DevPtr>;

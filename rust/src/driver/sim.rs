@@ -20,7 +20,7 @@ use parking_lot::Mutex;
 use rustix::fs::{ftruncate, memfd_create, MemfdFlags};
 use rustix::mm::{mmap, mmap_anonymous, mprotect, munmap, MapFlags, MprotectFlags, ProtFlags};
 
-use super::{DevPtr, Driver, HostPtr, Op, PhysHandle};
+use super::{DevPtr, DeviceInfo, Driver, HostPtr, Op, PhysHandle};
 use crate::error::{Error, Result};
 use crate::fingerprint::{self, Fingerprint};
 
@@ -313,6 +313,16 @@ impl Driver for SimDriver {
             self.config.capacity.saturating_sub(used),
             self.config.capacity,
         ))
+    }
+
+    fn device_info(&self, device: i32) -> Result<DeviceInfo> {
+        self.check_device(device)?;
+        Ok(DeviceInfo {
+            name: "simulated device".into(),
+            granularity: self.config.granularity,
+            rdma_with_vmm: false,
+            driver_version: None,
+        })
     }
 
     fn reserve(&self, device: i32, size: usize) -> Result<DevPtr> {
