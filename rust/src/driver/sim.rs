@@ -25,9 +25,11 @@ use crate::error::{Error, Result};
 use crate::fingerprint::{self, Fingerprint};
 
 mod faults;
+mod host_pins;
 
 use faults::Fault;
 pub use faults::FAULT_ERRORS;
+use host_pins::HostPins;
 
 /// More simulated devices than any machine has GPUs is a mistake, not a configuration.
 pub const MAX_SIM_DEVICES: usize = 1024;
@@ -89,8 +91,7 @@ struct State {
     handles: HashMap<u64, Handle>,
     next_handle: u64,
     used: Vec<usize>,
-    host_registered: HashMap<usize, usize>,
-    host_allocated: HashMap<usize, usize>,
+    host: HostPins,
     calls: HashMap<Op, u64>,
     faults: Vec<Fault>,
     /// Markers recorded and not yet waited for (leak check: CUDA events must be destroyed).
@@ -158,6 +159,7 @@ impl SimDriver {
 
     pub fn counts(&self) -> SimCounts {
         let st = self.state.lock();
+        let (host_registered, host_allocated) = st.host.counts();
         SimCounts {
             ranges: st.ranges.len(),
             handles: st.handles.len(),
@@ -168,8 +170,8 @@ impl SimDriver {
                 .map(|m| m.size)
                 .sum(),
             used_bytes: st.used.clone(),
-            host_registered: st.host_registered.len(),
-            host_allocated: st.host_allocated.len(),
+            host_registered,
+            host_allocated,
             markers: st.markers.len(),
             fingerprint_batches: st.fingerprints.len(),
             calls: Op::ALL
@@ -240,7 +242,7 @@ impl State {
                 format!("CUDA_ERROR_INVALID_VALUE ({role} not mapped)"),
             ));
         }
-        if !self.host_range_ok(host, size) {
+        if !self.host.range_ok(host, size) {
             return Err(Error::driver(
                 op.name(),
                 1,
@@ -250,28 +252,10 @@ impl State {
         Ok(())
     }
 
-    /// As on CUDA, the host side of a copy that starts in registered memory must stay inside that one
-    /// registration (a copy spanning two registrations fails with CUDA_ERROR_INVALID_VALUE).
-    fn host_range_ok(&self, ptr: usize, size: usize) -> bool {
-        self.host_registered
-            .iter()
-            .chain(self.host_allocated.iter())
-            .find(|(&p, &l)| p <= ptr && ptr < p + l)
-            .is_none_or(|(&p, &l)| ptr + size <= p + l)
-    }
-
-    /// Host bytes pinned now (registered plus allocated by `host_alloc`).
-    fn host_pinned(&self) -> usize {
-        self.host_registered
-            .values()
-            .chain(self.host_allocated.values())
-            .sum()
-    }
-
     /// Fail `op` as CUDA does when pinning `size` more host bytes would pass the budget.
     fn check_host_budget(&self, op: Op, size: usize, budget: Option<usize>) -> Result<()> {
         match budget {
-            Some(b) if self.host_pinned().saturating_add(size) > b => Err(Error::driver(
+            Some(b) if self.host.pinned().saturating_add(size) > b => Err(Error::driver(
                 op.name(),
                 2,
                 "CUDA_ERROR_OUT_OF_MEMORY (simulated host memory budget)",
@@ -718,30 +702,28 @@ impl Driver for SimDriver {
         let mut st = self.state.lock();
         st.enter(Op::HostRegister)?;
         st.check_host_budget(Op::HostRegister, size, self.config.host_memory)?;
-        if st.host_registered.contains_key(&ptr.0) {
+        // CUDA refuses memory that is registered already, wholly or in part.
+        if !st.host.register(ptr.0, size) {
             return Err(Error::driver(
                 Op::HostRegister.name(),
                 712,
                 "CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED",
             ));
         }
-        st.host_registered.insert(ptr.0, size);
         Ok(())
     }
 
     unsafe fn host_unregister(&self, ptr: HostPtr) -> Result<()> {
         let mut st = self.state.lock();
         st.enter(Op::HostUnregister)?;
-        st.host_registered
-            .remove(&ptr.0)
-            .map(|_| ())
-            .ok_or_else(|| {
-                Error::driver(
-                    Op::HostUnregister.name(),
-                    713,
-                    "CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED",
-                )
-            })
+        if !st.host.unregister(ptr.0) {
+            return Err(Error::driver(
+                Op::HostUnregister.name(),
+                713,
+                "CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED",
+            ));
+        }
+        Ok(())
     }
 
     fn host_alloc(&self, size: usize) -> Result<HostPtr> {
@@ -758,13 +740,13 @@ impl Driver for SimDriver {
             )
         }
         .map_err(|e| os_err(Op::HostAlloc, e))?;
-        st.host_allocated.insert(ptr as usize, size.max(1));
+        st.host.add_allocation(ptr as usize, size.max(1));
         Ok(HostPtr(ptr as usize))
     }
 
     unsafe fn host_free(&self, ptr: HostPtr) -> Result<()> {
         let mut st = self.state.lock();
-        let size = st.host_allocated.remove(&ptr.0).ok_or_else(|| {
+        let size = st.host.remove_allocation(ptr.0).ok_or_else(|| {
             Error::driver(
                 "host_free",
                 1,
@@ -781,7 +763,7 @@ impl Driver for SimDriver {
 
     fn host_available(&self) -> Option<usize> {
         match self.config.host_memory {
-            Some(b) => Some(b.saturating_sub(self.state.lock().host_pinned())),
+            Some(b) => Some(b.saturating_sub(self.state.lock().host.pinned())),
             None => crate::host_guard::available(),
         }
     }
@@ -800,7 +782,7 @@ impl Drop for SimDriver {
             // SAFETY: each is a reservation of ours; no engine outlives the driver it holds an Arc of.
             let _ = unsafe { munmap(addr as *mut c_void, r.size) };
         }
-        for (&ptr, &size) in &st.host_allocated {
+        for (ptr, size) in st.host.allocations() {
             // SAFETY: made by host_alloc; nobody can use it after the driver is gone.
             let _ = unsafe { munmap(ptr as *mut c_void, size) };
         }
