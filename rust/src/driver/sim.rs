@@ -1,8 +1,9 @@
 //! Host emulation of the CUDA virtual-memory API, with the same semantics the engine relies on.
 //!
 //! - a virtual range is an `mmap(PROT_NONE)` reservation, so its address is real and stays fixed;
-//! - a physical handle is a `memfd` of the rounded size, counted against a per-device capacity;
-//! - map = `mmap(MAP_FIXED | MAP_SHARED)` of the memfd over the range, still inaccessible until `set_access`
+//! - a physical handle is a slice of the device's memfd (`sim/slices.rs`), counted against a per-device
+//!   capacity;
+//! - map = `mmap(MAP_FIXED | MAP_SHARED)` of the slice over the range, still inaccessible until `set_access`
 //!   (as on CUDA, where mapped memory faults until cuMemSetAccess); unmap = `PROT_NONE` reservation again;
 //! - copies are memcpy, after checking the device side is mapped and accessible (CUDA fails such copies too);
 //! - fresh physical memory is filled with `POISON`, so discarded data never silently reads as zero or as the
@@ -14,10 +15,8 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::ffi::c_void;
-use std::os::fd::OwnedFd;
 
 use parking_lot::Mutex;
-use rustix::fs::{ftruncate, memfd_create, MemfdFlags};
 use rustix::mm::{mmap, mmap_anonymous, mprotect, munmap, MapFlags, MprotectFlags, ProtFlags};
 
 use super::{DevPtr, DeviceInfo, Driver, HostPtr, Op, PhysHandle};
@@ -26,10 +25,12 @@ use crate::fingerprint::{self, Fingerprint};
 
 mod faults;
 mod host_pins;
+mod slices;
 
 use faults::Fault;
 pub use faults::FAULT_ERRORS;
 use host_pins::HostPins;
+use slices::Slices;
 
 /// More simulated devices than any machine has GPUs is a mistake, not a configuration.
 pub const MAX_SIM_DEVICES: usize = 1024;
@@ -78,7 +79,8 @@ struct Range {
 struct Handle {
     device: i32,
     size: usize,
-    fd: OwnedFd,
+    /// Where its slice starts in the device's memfd.
+    offset: u64,
     released: bool,
     map_count: usize,
     /// Not yet poisoned: the first map fills it.
@@ -91,6 +93,8 @@ struct State {
     handles: HashMap<u64, Handle>,
     next_handle: u64,
     used: Vec<usize>,
+    /// Physical memory of each device.
+    slices: Vec<Slices>,
     host: HostPins,
     calls: HashMap<Op, u64>,
     faults: Vec<Fault>,
@@ -148,6 +152,7 @@ impl SimDriver {
         }
         let state = State {
             used: vec![0; config.devices],
+            slices: (0..config.devices).map(|_| Slices::default()).collect(),
             next_handle: 1,
             ..State::default()
         };
@@ -272,6 +277,7 @@ impl State {
         if done {
             let h = self.handles.remove(&handle).expect("checked above");
             self.used[h.device as usize] -= h.size;
+            self.slices[h.device as usize].give_back(h.offset, h.size);
         }
     }
 }
@@ -402,9 +408,7 @@ impl Driver for SimDriver {
                 "CUDA_ERROR_OUT_OF_MEMORY",
             ));
         }
-        let fd =
-            memfd_create("cumem-sim", MemfdFlags::CLOEXEC).map_err(|e| os_err(Op::Create, e))?;
-        ftruncate(&fd, size as u64).map_err(|e| os_err(Op::Create, e))?;
+        let offset = st.slices[d].take(size).map_err(|e| os_err(Op::Create, e))?;
         let id = st.next_handle;
         st.next_handle += 1;
         st.used[d] += size;
@@ -413,7 +417,7 @@ impl Driver for SimDriver {
             Handle {
                 device,
                 size,
-                fd,
+                offset,
                 released: false,
                 map_count: 0,
                 fresh: true,
@@ -468,17 +472,21 @@ impl Driver for SimDriver {
         if h.released || h.size != size {
             return Err(invalid("handle released or of another size"));
         }
-        let fresh = h.fresh;
+        let (fresh, offset) = (h.fresh, h.offset);
+        let fd = st.slices[h.device as usize]
+            .fd()
+            .expect("a live handle's device has its memfd");
         // SAFETY: [addr, addr+size) lies inside a reservation of ours with no mapping in it (checked above), so
-        // MAP_FIXED replaces only our own PROT_NONE placeholder pages.
+        // MAP_FIXED replaces only our own PROT_NONE placeholder pages; [offset, offset+size) is the handle's own
+        // slice of the memfd, inside the file.
         unsafe {
             mmap(
                 addr as *mut c_void,
                 size,
                 ProtFlags::READ | ProtFlags::WRITE,
                 MapFlags::SHARED | MapFlags::FIXED,
-                &h.fd,
-                0,
+                fd,
+                offset,
             )
         }
         .map_err(|e| os_err(Op::Map, e))?;
@@ -775,8 +783,8 @@ impl Driver for SimDriver {
 
 impl Drop for SimDriver {
     fn drop(&mut self) {
-        // Give back address space and host allocations that an aborted test may have left; handles close with
-        // their fds.
+        // Give back address space and host allocations that an aborted test may have left; physical memory goes
+        // with the devices' memfds.
         let st = self.state.get_mut();
         for (&addr, r) in &st.ranges {
             // SAFETY: each is a reservation of ours; no engine outlives the driver it holds an Arc of.
