@@ -69,13 +69,15 @@ fn guard<T>(body: impl FnOnce() -> PyResult<T>) -> PyResult<T> {
 #[pyclass(frozen, module = "cumem_rs._native")]
 pub struct Allocator {
     engine: Arc<Engine>,
+    /// The simulated driver under the engine, for fault injection and driver counts; None on CUDA.
+    sim: Option<Arc<SimDriver>>,
     /// The process-wide CUDA engine is never closed from Python (torch may still hold its memory).
     shared: bool,
 }
 
 impl Allocator {
     fn sim(&self) -> PyResult<&SimDriver> {
-        self.engine.driver().as_sim().ok_or_else(|| {
+        self.sim.as_deref().ok_or_else(|| {
             CumemError::new_err(
                 "fault injection and driver counts exist on the simulated driver only",
             )
@@ -116,9 +118,11 @@ impl Allocator {
                         ))
                     })?,
             };
-            let engine = Engine::new(Arc::new(SimDriver::new(config)?))?;
+            let sim = Arc::new(SimDriver::new(config)?);
+            let engine = Engine::new(sim.clone())?;
             Ok(Allocator {
                 engine: Arc::new(engine),
+                sim: Some(sim),
                 shared: false,
             })
         })
@@ -130,6 +134,7 @@ impl Allocator {
             let engine = py.detach(global::cuda_engine)?.clone();
             Ok(Allocator {
                 engine,
+                sim: None,
                 shared: true,
             })
         })

@@ -135,9 +135,6 @@ impl Driver for Recording {
     fn thread_spawn(&self) -> Result<()> {
         self.sim.thread_spawn()
     }
-    fn as_sim(&self) -> Option<&SimDriver> {
-        Some(&self.sim)
-    }
 }
 
 /// Replays the log: at every unpin, no device may have copies that no later wait or marker wait covered.

@@ -31,6 +31,7 @@
 pub mod cuda;
 mod cuda_check;
 mod cuda_fingerprint;
+pub mod fault_injection;
 pub mod sim;
 
 use crate::error::Result;
@@ -214,23 +215,19 @@ pub trait Driver: Send + Sync {
     /// must not be used afterwards.
     unsafe fn host_free(&self, ptr: HostPtr) -> Result<()>;
 
-    /// Asked before the allocator starts a worker thread (pinning, first touch of host pages). Real drivers
-    /// allow it; the simulated driver counts the call as `Op::ThreadSpawn` and fails it when a fault is armed,
-    /// so that tests reach the path where no thread could be started and the work runs on the calling thread.
+    /// Not a driver call but a fault-injection point: asked before the allocator starts a worker thread
+    /// (pinning, first touch of host pages). Drivers allow it; `fault_injection::FaultInjector` counts it as
+    /// `Op::ThreadSpawn` and fails it when a fault is armed, so that tests reach the path where no thread could
+    /// be started and the work runs on the calling thread.
     fn thread_spawn(&self) -> Result<()> {
         Ok(())
     }
 
-    /// Bytes of host memory that can still be pinned now, if known (see `crate::host_guard`): the engine
-    /// refuses to pin past it rather than let the OS kill the process. The simulated driver answers from its
-    /// configured budget.
+    /// Bytes of host memory that can still be pinned now, if known: the engine refuses to pin past it rather
+    /// than let the OS kill the process. This is a fact of the machine, not of the driver, so the default asks
+    /// the host (`crate::host_guard`); the simulated driver answers from its configured host budget instead.
     fn host_available(&self) -> Option<usize> {
         crate::host_guard::available()
-    }
-
-    /// The simulated driver's extra controls (fault injection, live counts); None on real drivers.
-    fn as_sim(&self) -> Option<&sim::SimDriver> {
-        None
     }
 }
 

@@ -8,8 +8,11 @@
 //! - copies are memcpy, after checking the device side is mapped and accessible (CUDA fails such copies too);
 //! - fresh physical memory is filled with `POISON`, so discarded data never silently reads as zero or as the
 //!   old contents (only an explicit `memset_zero`, asked for by a tag's wake-fill policy, zeroes it);
-//! - fault injection: the n-th next call of an operation fails with a chosen CUDA error code (or, to test that
-//!   panics are contained, panics inside the call).
+//! - errors carry the codes CUDA gives (`crate::error::cuda_code`).
+//!
+//! `Emulator` is the emulation; `SimDriver`, what users and tests get, is the emulation inside the fault
+//! injector (`driver/fault_injection.rs`): the n-th next call of an operation fails with a chosen CUDA error code
+//! (or, to test that panics are contained, panics inside the call).
 //!
 //! This is shipped code, not a test double: users run their sleep/wake logic on it in CPU-only CI.
 
@@ -19,16 +22,15 @@ use std::ffi::c_void;
 use parking_lot::Mutex;
 use rustix::mm::{mmap, mmap_anonymous, mprotect, munmap, MapFlags, MprotectFlags, ProtFlags};
 
+use super::fault_injection::FaultInjector;
 use super::{DevPtr, DeviceInfo, Driver, HostPtr, Op, PhysHandle};
-use crate::error::{Error, Result};
+use crate::error::{cuda_code, Error, Result};
 use crate::fingerprint::{self, Fingerprint};
 
-mod faults;
 mod host_pins;
 mod slices;
 
-use faults::Fault;
-pub use faults::FAULT_ERRORS;
+pub use super::fault_injection::FAULT_ERRORS;
 use host_pins::HostPins;
 use slices::Slices;
 
@@ -96,8 +98,6 @@ struct State {
     /// Physical memory of each device.
     slices: Vec<Slices>,
     host: HostPins,
-    calls: HashMap<Op, u64>,
-    faults: Vec<Fault>,
     /// Markers recorded and not yet waited for (leak check: CUDA events must be destroyed).
     markers: std::collections::HashSet<u64>,
     next_marker: u64,
@@ -117,25 +117,54 @@ pub struct SimCounts {
     pub markers: usize,
     /// Fingerprint batches queued and not taken (each must be taken, like markers waited for).
     pub fingerprint_batches: usize,
+    /// Calls per operation (every `Op`), as the fault injector counted them; empty from `Emulator::counts`.
     pub calls: Vec<(&'static str, u64)>,
 }
 
-pub struct SimDriver {
+/// The host emulation of the driver (see the module notes), without fault injection.
+pub struct Emulator {
     config: SimConfig,
     state: Mutex<State>,
+}
+
+/// The simulated driver: the emulation inside the fault injector.
+pub type SimDriver = FaultInjector<Emulator>;
+
+impl FaultInjector<Emulator> {
+    pub fn new(config: SimConfig) -> Result<SimDriver> {
+        Ok(FaultInjector::around(Emulator::new(config)?))
+    }
+
+    /// Live resources of the emulation, with the calls the injector counted.
+    pub fn counts(&self) -> SimCounts {
+        SimCounts {
+            calls: self.calls(),
+            ..self.inner().counts()
+        }
+    }
+}
+
+/// A failed call of `op` with a CUDA error code, its name and why (`what`, may be empty).
+fn cuda_err(op: Op, code: i32, what: &str) -> Error {
+    let name = cuda_code::name(code);
+    if what.is_empty() {
+        Error::driver(op.name(), code, name)
+    } else {
+        Error::driver(op.name(), code, format!("{name} ({what})"))
+    }
 }
 
 fn os_err(op: Op, e: rustix::io::Errno) -> Error {
     // The host running out of address space or memory is what CUDA reports as CUDA_ERROR_OUT_OF_MEMORY.
     let code = if e == rustix::io::Errno::NOMEM {
-        2
+        cuda_code::OUT_OF_MEMORY
     } else {
-        999
+        cuda_code::UNKNOWN
     };
     Error::driver(op.name(), code, format!("host emulation: {e}"))
 }
 
-impl SimDriver {
+impl Emulator {
     pub fn new(config: SimConfig) -> Result<Self> {
         if config.devices == 0 || config.devices > MAX_SIM_DEVICES {
             return Err(Error::invalid(format!(
@@ -156,12 +185,13 @@ impl SimDriver {
             next_handle: 1,
             ..State::default()
         };
-        Ok(SimDriver {
+        Ok(Emulator {
             config,
             state: Mutex::new(state),
         })
     }
 
+    /// Live resources (`calls` is left empty: the fault injector counts calls).
     pub fn counts(&self) -> SimCounts {
         let st = self.state.lock();
         let (host_registered, host_allocated) = st.host.counts();
@@ -179,10 +209,7 @@ impl SimDriver {
             host_allocated,
             markers: st.markers.len(),
             fingerprint_batches: st.fingerprints.len(),
-            calls: Op::ALL
-                .iter()
-                .map(|op| (op.name(), st.calls.get(op).copied().unwrap_or(0)))
-                .collect(),
+            calls: Vec::new(),
         }
     }
 
@@ -232,26 +259,25 @@ impl State {
     /// What both copy directions check, as CUDA would reject them: the device side (`role`: "source" or
     /// "destination") is mapped and accessible, and the host side stays inside one registration.
     fn check_copy(
-        &mut self,
+        &self,
         op: Op,
         device_side: DevPtr,
         role: &str,
         host: usize,
         size: usize,
     ) -> Result<()> {
-        self.enter(op)?;
         if !self.accessible(device_side, size) {
-            return Err(Error::driver(
-                op.name(),
-                1,
-                format!("CUDA_ERROR_INVALID_VALUE ({role} not mapped)"),
+            return Err(cuda_err(
+                op,
+                cuda_code::INVALID_VALUE,
+                &format!("{role} not mapped"),
             ));
         }
         if !self.host.range_ok(host, size) {
-            return Err(Error::driver(
-                op.name(),
-                1,
-                "CUDA_ERROR_INVALID_VALUE (host range spans registrations)",
+            return Err(cuda_err(
+                op,
+                cuda_code::INVALID_VALUE,
+                "host range spans registrations",
             ));
         }
         Ok(())
@@ -260,10 +286,10 @@ impl State {
     /// Fail `op` as CUDA does when pinning `size` more host bytes would pass the budget.
     fn check_host_budget(&self, op: Op, size: usize, budget: Option<usize>) -> Result<()> {
         match budget {
-            Some(b) if self.host.pinned().saturating_add(size) > b => Err(Error::driver(
-                op.name(),
-                2,
-                "CUDA_ERROR_OUT_OF_MEMORY (simulated host memory budget)",
+            Some(b) if self.host.pinned().saturating_add(size) > b => Err(cuda_err(
+                op,
+                cuda_code::OUT_OF_MEMORY,
+                "simulated host memory budget",
             )),
             _ => Ok(()),
         }
@@ -282,7 +308,7 @@ impl State {
     }
 }
 
-impl Driver for SimDriver {
+impl Driver for Emulator {
     fn backend(&self) -> &'static str {
         "sim"
     }
@@ -318,20 +344,15 @@ impl Driver for SimDriver {
     fn reserve(&self, device: i32, size: usize) -> Result<DevPtr> {
         self.check_device(device)?;
         let mut st = self.state.lock();
-        st.enter(Op::Reserve)?;
         if size == 0 || !size.is_multiple_of(self.config.granularity) {
-            return Err(Error::driver(
-                Op::Reserve.name(),
-                1,
-                "CUDA_ERROR_INVALID_VALUE",
-            ));
+            return Err(cuda_err(Op::Reserve, cuda_code::INVALID_VALUE, ""));
         }
         // Reserve one granule more than asked and trim, so that the range is aligned to the granularity as CUDA's
         // reservations are (callers may rely on it, e.g. for large-page mappings).
         let gran = self.config.granularity;
         let padded = size
             .checked_add(gran)
-            .ok_or_else(|| Error::driver(Op::Reserve.name(), 2, "CUDA_ERROR_OUT_OF_MEMORY"))?;
+            .ok_or_else(|| cuda_err(Op::Reserve, cuda_code::OUT_OF_MEMORY, ""))?;
         // SAFETY: a fresh anonymous PROT_NONE mapping at an address the kernel chooses touches no existing memory.
         let raw = unsafe {
             mmap_anonymous(
@@ -366,21 +387,20 @@ impl Driver for SimDriver {
 
     fn free_range(&self, addr: DevPtr, size: usize) -> Result<()> {
         let mut st = self.state.lock();
-        st.enter(Op::FreeRange)?;
         match st.ranges.get(&addr) {
             Some(r) if r.size == size && r.maps.is_empty() => {}
             Some(r) if !r.maps.is_empty() => {
-                return Err(Error::driver(
-                    Op::FreeRange.name(),
-                    1,
-                    "CUDA_ERROR_INVALID_VALUE (range still mapped)",
+                return Err(cuda_err(
+                    Op::FreeRange,
+                    cuda_code::INVALID_VALUE,
+                    "range still mapped",
                 ))
             }
             _ => {
-                return Err(Error::driver(
-                    Op::FreeRange.name(),
-                    1,
-                    "CUDA_ERROR_INVALID_VALUE (not a reserved range)",
+                return Err(cuda_err(
+                    Op::FreeRange,
+                    cuda_code::INVALID_VALUE,
+                    "not a reserved range",
                 ))
             }
         }
@@ -393,20 +413,11 @@ impl Driver for SimDriver {
     fn create(&self, device: i32, size: usize) -> Result<PhysHandle> {
         let d = self.check_device(device)?;
         let mut st = self.state.lock();
-        st.enter(Op::Create)?;
         if size == 0 || !size.is_multiple_of(self.config.granularity) {
-            return Err(Error::driver(
-                Op::Create.name(),
-                1,
-                "CUDA_ERROR_INVALID_VALUE",
-            ));
+            return Err(cuda_err(Op::Create, cuda_code::INVALID_VALUE, ""));
         }
         if st.used[d].saturating_add(size) > self.config.capacity {
-            return Err(Error::driver(
-                Op::Create.name(),
-                2,
-                "CUDA_ERROR_OUT_OF_MEMORY",
-            ));
+            return Err(cuda_err(Op::Create, cuda_code::OUT_OF_MEMORY, ""));
         }
         let offset = st.slices[d].take(size).map_err(|e| os_err(Op::Create, e))?;
         let id = st.next_handle;
@@ -428,14 +439,13 @@ impl Driver for SimDriver {
 
     fn release(&self, handle: PhysHandle) -> Result<()> {
         let mut st = self.state.lock();
-        st.enter(Op::Release)?;
         match st.handles.get_mut(&handle.0) {
             Some(h) if !h.released => h.released = true,
             _ => {
-                return Err(Error::driver(
-                    Op::Release.name(),
-                    1,
-                    "CUDA_ERROR_INVALID_VALUE (unknown handle)",
+                return Err(cuda_err(
+                    Op::Release,
+                    cuda_code::INVALID_VALUE,
+                    "unknown handle",
                 ))
             }
         }
@@ -445,14 +455,7 @@ impl Driver for SimDriver {
 
     fn map(&self, addr: DevPtr, size: usize, handle: PhysHandle) -> Result<()> {
         let mut st = self.state.lock();
-        st.enter(Op::Map)?;
-        let invalid = |why: &str| {
-            Error::driver(
-                Op::Map.name(),
-                1,
-                format!("CUDA_ERROR_INVALID_VALUE ({why})"),
-            )
-        };
+        let invalid = |why: &str| cuda_err(Op::Map, cuda_code::INVALID_VALUE, why);
         let (start, range) = st
             .range_of(addr, size)
             .ok_or_else(|| invalid("not inside a reserved range"))?;
@@ -514,21 +517,16 @@ impl Driver for SimDriver {
 
     fn unmap(&self, addr: DevPtr, size: usize) -> Result<()> {
         let mut st = self.state.lock();
-        st.enter(Op::Unmap)?;
-        let (start, range) = st.range_of(addr, size).ok_or_else(|| {
-            Error::driver(
-                Op::Unmap.name(),
-                1,
-                "CUDA_ERROR_INVALID_VALUE (not reserved)",
-            )
-        })?;
+        let (start, range) = st
+            .range_of(addr, size)
+            .ok_or_else(|| cuda_err(Op::Unmap, cuda_code::INVALID_VALUE, "not reserved"))?;
         match range.maps.get(&addr) {
             Some(m) if m.size == size => {}
             _ => {
-                return Err(Error::driver(
-                    Op::Unmap.name(),
-                    1,
-                    "CUDA_ERROR_INVALID_VALUE (not a mapping)",
+                return Err(cuda_err(
+                    Op::Unmap,
+                    cuda_code::INVALID_VALUE,
+                    "not a mapping",
                 ))
             }
         }
@@ -560,14 +558,13 @@ impl Driver for SimDriver {
     fn set_access(&self, device: i32, addr: DevPtr, size: usize) -> Result<()> {
         self.check_device(device)?;
         let mut st = self.state.lock();
-        st.enter(Op::SetAccess)?;
         let start = match st.range_of(addr, size) {
             Some((start, r)) if r.maps.get(&addr).is_some_and(|m| m.size == size) => start,
             _ => {
-                return Err(Error::driver(
-                    Op::SetAccess.name(),
-                    1,
-                    "CUDA_ERROR_INVALID_VALUE (not a mapping)",
+                return Err(cuda_err(
+                    Op::SetAccess,
+                    cuda_code::INVALID_VALUE,
+                    "not a mapping",
                 ))
             }
         };
@@ -592,7 +589,7 @@ impl Driver for SimDriver {
 
     unsafe fn copy_d2h(&self, device: i32, dst: HostPtr, src: DevPtr, size: usize) -> Result<()> {
         self.check_device(device)?;
-        let mut st = self.state.lock();
+        let st = self.state.lock();
         st.check_copy(Op::CopyD2H, src, "source", dst.0, size)?;
         // SAFETY: the source is mapped read-write (checked under the lock, which unmap also takes); the destination
         // is valid for `size` bytes of writes (the caller's contract of this unsafe fn).
@@ -602,7 +599,7 @@ impl Driver for SimDriver {
 
     unsafe fn copy_h2d(&self, device: i32, dst: DevPtr, src: HostPtr, size: usize) -> Result<()> {
         self.check_device(device)?;
-        let mut st = self.state.lock();
+        let st = self.state.lock();
         st.check_copy(Op::CopyH2D, dst, "destination", src.0, size)?;
         // SAFETY: as in copy_d2h, with the roles swapped.
         unsafe { std::ptr::copy_nonoverlapping(src.0 as *const u8, dst as *mut u8, size) };
@@ -611,13 +608,12 @@ impl Driver for SimDriver {
 
     fn memset_zero(&self, device: i32, addr: DevPtr, size: usize) -> Result<()> {
         self.check_device(device)?;
-        let mut st = self.state.lock();
-        st.enter(Op::MemsetZero)?;
+        let st = self.state.lock();
         if !st.accessible(addr, size) {
-            return Err(Error::driver(
-                Op::MemsetZero.name(),
-                1,
-                "CUDA_ERROR_INVALID_VALUE (destination not mapped)",
+            return Err(cuda_err(
+                Op::MemsetZero,
+                cuda_code::INVALID_VALUE,
+                "destination not mapped",
             ));
         }
         // SAFETY: the range is mapped read-write (checked under the lock, which unmap also takes).
@@ -626,21 +622,14 @@ impl Driver for SimDriver {
     }
 
     fn wait(&self, device: i32) -> Result<()> {
-        self.check_device(device)?;
-        self.state.lock().enter(Op::Wait)
+        self.check_device(device)?; // copies are synchronous: nothing to wait for
+        Ok(())
     }
 
     fn queue_fingerprints(&self, device: i32, chunks: &[(DevPtr, usize)]) -> Result<()> {
         self.check_device(device)?;
         let mut st = self.state.lock();
-        st.enter(Op::Fingerprint)?;
-        let invalid = |why: String| {
-            Error::driver(
-                Op::Fingerprint.name(),
-                1,
-                format!("CUDA_ERROR_INVALID_VALUE ({why})"),
-            )
-        };
+        let invalid = |why: String| cuda_err(Op::Fingerprint, cuda_code::INVALID_VALUE, &why);
         if st.fingerprints.contains_key(&device) {
             return Err(invalid(format!(
                 "a batch is already queued on device {device}"
@@ -676,7 +665,6 @@ impl Driver for SimDriver {
     fn record_marker(&self, device: i32) -> Result<u64> {
         self.check_device(device)?;
         let mut st = self.state.lock();
-        st.enter(Op::Record)?;
         st.next_marker += 1;
         let m = st.next_marker;
         st.markers.insert(m);
@@ -687,20 +675,19 @@ impl Driver for SimDriver {
         self.check_device(device)?;
         let mut st = self.state.lock();
         let known = st.markers.remove(&marker);
-        st.enter(Op::Wait)?;
         if !known {
-            return Err(Error::driver(
-                Op::Wait.name(),
-                400,
-                "CUDA_ERROR_INVALID_HANDLE (unknown marker)",
+            return Err(cuda_err(
+                Op::Wait,
+                cuda_code::INVALID_HANDLE,
+                "unknown marker",
             ));
         }
         Ok(())
     }
 
     fn synchronize(&self, device: i32, _stream: u64) -> Result<()> {
-        self.check_device(device)?;
-        self.state.lock().enter(Op::Synchronize)
+        self.check_device(device)?; // no device work runs behind the host's back
+        Ok(())
     }
 
     unsafe fn host_register(&self, ptr: HostPtr, size: usize) -> Result<()> {
@@ -708,14 +695,13 @@ impl Driver for SimDriver {
             std::thread::sleep(self.config.host_register_delay);
         }
         let mut st = self.state.lock();
-        st.enter(Op::HostRegister)?;
         st.check_host_budget(Op::HostRegister, size, self.config.host_memory)?;
         // CUDA refuses memory that is registered already, wholly or in part.
         if !st.host.register(ptr.0, size) {
-            return Err(Error::driver(
-                Op::HostRegister.name(),
-                712,
-                "CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED",
+            return Err(cuda_err(
+                Op::HostRegister,
+                cuda_code::HOST_MEMORY_ALREADY_REGISTERED,
+                "",
             ));
         }
         Ok(())
@@ -723,12 +709,11 @@ impl Driver for SimDriver {
 
     unsafe fn host_unregister(&self, ptr: HostPtr) -> Result<()> {
         let mut st = self.state.lock();
-        st.enter(Op::HostUnregister)?;
         if !st.host.unregister(ptr.0) {
-            return Err(Error::driver(
-                Op::HostUnregister.name(),
-                713,
-                "CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED",
+            return Err(cuda_err(
+                Op::HostUnregister,
+                cuda_code::HOST_MEMORY_NOT_REGISTERED,
+                "",
             ));
         }
         Ok(())
@@ -736,7 +721,6 @@ impl Driver for SimDriver {
 
     fn host_alloc(&self, size: usize) -> Result<HostPtr> {
         let mut st = self.state.lock();
-        st.enter(Op::HostAlloc)?;
         st.check_host_budget(Op::HostAlloc, size.max(1), self.config.host_memory)?;
         // SAFETY: a fresh anonymous read-write mapping at an address the kernel chooses.
         let ptr = unsafe {
@@ -755,18 +739,12 @@ impl Driver for SimDriver {
     unsafe fn host_free(&self, ptr: HostPtr) -> Result<()> {
         let mut st = self.state.lock();
         let size = st.host.remove_allocation(ptr.0).ok_or_else(|| {
-            Error::driver(
-                "host_free",
-                1,
-                "CUDA_ERROR_INVALID_VALUE (not a host allocation)",
-            )
+            let code = cuda_code::INVALID_VALUE;
+            let name = cuda_code::name(code);
+            Error::driver("host_free", code, format!("{name} (not a host allocation)"))
         })?;
         // SAFETY: the mapping was made by host_alloc with this size and its owner gave it back.
         unsafe { munmap(ptr.0 as *mut c_void, size) }.map_err(|e| os_err(Op::HostAlloc, e))
-    }
-
-    fn thread_spawn(&self) -> Result<()> {
-        self.state.lock().enter(Op::ThreadSpawn)
     }
 
     fn host_available(&self) -> Option<usize> {
@@ -775,13 +753,9 @@ impl Driver for SimDriver {
             None => crate::host_guard::available(),
         }
     }
-
-    fn as_sim(&self) -> Option<&SimDriver> {
-        Some(self)
-    }
 }
 
-impl Drop for SimDriver {
+impl Drop for Emulator {
     fn drop(&mut self) {
         // Give back address space and host allocations that an aborted test may have left; physical memory goes
         // with the devices' memfds.
