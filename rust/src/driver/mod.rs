@@ -1,5 +1,9 @@
 //! The handful of driver operations the allocator needs, behind one trait so that the engine runs unchanged on
-//! the real CUDA driver (`cuda.rs`) and on the host emulation (`sim.rs`).
+//! the real CUDA driver (`cuda.rs`) and on the host emulation (`sim.rs`). Fault injection is an adaptor around
+//! any driver (`fault_injection.rs`); the trait knows nothing of it, nor of the emulation.
+//!
+//! Imports inside this folder go one way: `cuda` -> `cuda_fingerprint` -> `cuda_check`, `cuda` -> `cuda_check`,
+//! `sim` -> `fault_injection`, and every one of them -> this module.
 //!
 //! Addresses are `u64` device virtual addresses. Physical memory is an opaque `PhysHandle`. Host memory given
 //! to the copy functions is described by `HostPtr`s that point into buffers owned by `host.rs`; the engine keeps

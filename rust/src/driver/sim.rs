@@ -29,6 +29,8 @@ use crate::fingerprint::{self, Fingerprint};
 
 mod host_pins;
 mod slices;
+#[cfg(test)]
+mod tests;
 
 pub use super::fault_injection::FAULT_ERRORS;
 use host_pins::HostPins;
