@@ -1,4 +1,4 @@
-//! One error type for the whole crate. Python sees these as `CumemError` subclasses (see `python.rs`).
+//! One error type for the whole crate. Python sees these as `CumemError` subclasses (see `python/errors.rs`).
 
 use thiserror::Error;
 
@@ -43,8 +43,43 @@ pub enum Error {
     Panic(String),
 }
 
+/// The CUDA result codes this crate names, with cudarc's `CUresult` as the one source of their values: the
+/// simulated driver answers with them, fault injection produces them, and `Error::driver` tells out-of-memory
+/// apart by its code.
+pub mod cuda_code {
+    use cudarc::driver::sys::CUresult;
+
+    pub const INVALID_VALUE: i32 = CUresult::CUDA_ERROR_INVALID_VALUE as i32;
+    pub const OUT_OF_MEMORY: i32 = CUresult::CUDA_ERROR_OUT_OF_MEMORY as i32;
+    pub const INVALID_HANDLE: i32 = CUresult::CUDA_ERROR_INVALID_HANDLE as i32;
+    pub const HOST_MEMORY_ALREADY_REGISTERED: i32 =
+        CUresult::CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED as i32;
+    pub const HOST_MEMORY_NOT_REGISTERED: i32 =
+        CUresult::CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED as i32;
+    pub const NOT_PERMITTED: i32 = CUresult::CUDA_ERROR_NOT_PERMITTED as i32;
+    pub const UNKNOWN: i32 = CUresult::CUDA_ERROR_UNKNOWN as i32;
+
+    /// The codes above, by their `CUresult`, whose `Debug` form is the name `cuGetErrorName` gives.
+    const NAMED: [CUresult; 7] = [
+        CUresult::CUDA_ERROR_INVALID_VALUE,
+        CUresult::CUDA_ERROR_OUT_OF_MEMORY,
+        CUresult::CUDA_ERROR_INVALID_HANDLE,
+        CUresult::CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED,
+        CUresult::CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED,
+        CUresult::CUDA_ERROR_NOT_PERMITTED,
+        CUresult::CUDA_ERROR_UNKNOWN,
+    ];
+
+    /// "CUDA_ERROR_INVALID_VALUE" and so on for a code of the table; other codes read as CUDA_ERROR_UNKNOWN
+    /// (the simulated driver produces no others).
+    pub fn name(code: i32) -> String {
+        let known = NAMED.iter().find(|c| **c as i32 == code);
+        format!("{:?}", known.unwrap_or(&CUresult::CUDA_ERROR_UNKNOWN))
+    }
+}
+
 /// CUDA_ERROR_OUT_OF_MEMORY: the driver code that means "no physical memory".
-pub const CUDA_ERROR_OUT_OF_MEMORY: i32 = 2;
+pub const CUDA_ERROR_OUT_OF_MEMORY: i32 = cuda_code::OUT_OF_MEMORY;
 
 impl Error {
     pub fn invalid(msg: impl Into<String>) -> Self {
@@ -65,5 +100,55 @@ impl Error {
 
     pub fn is_out_of_memory(&self) -> bool {
         matches!(self, Error::OutOfMemory { .. })
+    }
+}
+
+/// The text of a caught panic payload, for `Error::Panic` at the boundaries that catch panics (the C entry
+/// points, the Python guard, loading the CUDA driver).
+pub(crate) fn panic_message(p: &(dyn std::any::Any + Send)) -> String {
+    p.downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| p.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "unknown panic".into())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cuda_codes_are_the_driver_api_values_and_names() {
+        // The values CUDA documents; a wrong discriminant in the table would misreport every simulated error.
+        assert_eq!((cuda_code::INVALID_VALUE, cuda_code::OUT_OF_MEMORY), (1, 2));
+        assert_eq!(cuda_code::INVALID_HANDLE, 400);
+        assert_eq!(
+            (
+                cuda_code::HOST_MEMORY_ALREADY_REGISTERED,
+                cuda_code::HOST_MEMORY_NOT_REGISTERED
+            ),
+            (712, 713)
+        );
+        assert_eq!((cuda_code::NOT_PERMITTED, cuda_code::UNKNOWN), (800, 999));
+        assert_eq!(
+            cuda_code::name(cuda_code::HOST_MEMORY_NOT_REGISTERED),
+            "CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED"
+        );
+        assert_eq!(cuda_code::name(12345), "CUDA_ERROR_UNKNOWN");
+    }
+
+    #[test]
+    fn out_of_memory_code_becomes_out_of_memory_error() {
+        assert!(Error::driver("create", CUDA_ERROR_OUT_OF_MEMORY, "x").is_out_of_memory());
+        assert!(!Error::driver("create", cuda_code::INVALID_VALUE, "x").is_out_of_memory());
+    }
+
+    #[test]
+    fn panic_message_reads_str_and_string_payloads() {
+        let p = std::panic::catch_unwind(|| panic!("plain")).unwrap_err();
+        assert_eq!(panic_message(&*p), "plain");
+        let p = std::panic::catch_unwind(|| panic!("formatted {}", 7)).unwrap_err();
+        assert_eq!(panic_message(&*p), "formatted 7");
+        let p = std::panic::catch_unwind(|| std::panic::panic_any(3u8)).unwrap_err();
+        assert_eq!(panic_message(&*p), "unknown panic");
     }
 }

@@ -53,7 +53,7 @@ fn guarded<T>(f: impl FnOnce() -> Result<T, Error>) -> Result<T, Error> {
         maybe_test_panic();
         f()
     }))
-    .unwrap_or_else(|p| Err(Error::Panic(crate::panic_message(&*p))))
+    .unwrap_or_else(|p| Err(Error::Panic(crate::error::panic_message(&*p))))
 }
 
 /// Allocate `size` bytes on `device` for torch, under the calling thread's current tag.

@@ -29,11 +29,3 @@ pub use engine::{
     TagStatus, WakeFill,
 };
 pub use error::{Error, Result};
-
-/// The text of a caught panic payload.
-pub(crate) fn panic_message(p: &(dyn std::any::Any + Send)) -> String {
-    p.downcast_ref::<&str>()
-        .map(|s| s.to_string())
-        .or_else(|| p.downcast_ref::<String>().cloned())
-        .unwrap_or_else(|| "unknown panic".into())
-}

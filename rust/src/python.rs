@@ -10,7 +10,7 @@ use std::sync::Arc;
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyBytes, PyDict, PyList};
 
-use crate::driver::cuda::{self, CudaDriver};
+use crate::driver::cuda;
 use crate::driver::sim::{SimConfig, SimDriver, FAULT_ERRORS};
 use crate::driver::Op;
 use crate::engine::{Engine, Report, TagPolicy, WakeFill};
@@ -36,7 +36,7 @@ use results::{
 /// A panic that interrupted an engine call while it held the allocator's lock has also poisoned that allocator.
 fn guard<T>(body: impl FnOnce() -> PyResult<T>) -> PyResult<T> {
     catch_unwind(AssertUnwindSafe(body))
-        .unwrap_or_else(|p| Err(Error::Panic(crate::panic_message(&*p)).into()))
+        .unwrap_or_else(|p| Err(Error::Panic(crate::error::panic_message(&*p)).into()))
 }
 
 /// An engine call over optional tags (None: all), without the GIL, and its report as a dict.
@@ -54,13 +54,15 @@ fn tags_report<'py>(
 #[pyclass(frozen, module = "cumem_rs._native")]
 pub struct Allocator {
     engine: Arc<Engine>,
+    /// The simulated driver under the engine, for fault injection and driver counts; None on CUDA.
+    sim: Option<Arc<SimDriver>>,
     /// The process-wide CUDA engine is never closed from Python (torch may still hold its memory).
     shared: bool,
 }
 
 impl Allocator {
     fn sim(&self) -> PyResult<&SimDriver> {
-        self.engine.driver().as_sim().ok_or_else(|| {
+        self.sim.as_deref().ok_or_else(|| {
             CumemError::new_err(
                 "fault injection and driver counts exist on the simulated driver only",
             )
@@ -94,9 +96,11 @@ impl Allocator {
                     .transpose()?,
                 host_register_delay: std::time::Duration::from_secs_f64(host_register_delay),
             };
-            let engine = Engine::new(Arc::new(SimDriver::new(config)?))?;
+            let sim = Arc::new(SimDriver::new(config)?);
+            let engine = Engine::new(sim.clone())?;
             Ok(Allocator {
                 engine: Arc::new(engine),
+                sim: Some(sim),
                 shared: false,
             })
         })
@@ -108,6 +112,7 @@ impl Allocator {
             let engine = py.detach(global::cuda_engine)?.clone();
             Ok(Allocator {
                 engine,
+                sim: None,
                 shared: true,
             })
         })
@@ -151,31 +156,26 @@ impl Allocator {
         guard(|| {
             self.engine.check_not_forked()?;
             let d = PyDict::new(py);
-            d.set_item("backend", self.engine.driver().backend())?;
+            let driver = self.engine.driver();
+            d.set_item("backend", driver.backend())?;
             let devices = PyList::empty(py);
+            let mut driver_version = None;
             for dev in 0..self.engine.device_count() as i32 {
                 let e = PyDict::new(py);
-                let (free, total) = py.detach(|| self.engine.driver().mem_info(dev))?;
+                let (free, total) = py.detach(|| driver.mem_info(dev))?;
+                let facts = py.detach(|| driver.device_info(dev))?;
                 e.set_item("device", dev)?;
                 e.set_item("free", free)?;
                 e.set_item("total", total)?;
                 e.set_item("granularity", self.engine.granularity(dev)?)?;
+                e.set_item("name", facts.name)?;
+                e.set_item("rdma_with_vmm", facts.rdma_with_vmm)?;
                 devices.append(e)?;
+                driver_version = driver_version.or(facts.driver_version);
             }
             d.set_item("devices", &devices)?;
-            if self.engine.driver().backend() == "cuda" {
-                let cuda = CudaDriver::new()?;
-                d.set_item("driver_version", cuda.driver_version())?;
-                for (dev, e) in devices.iter().enumerate() {
-                    let i = cuda.device_info(dev as i32)?;
-                    e.set_item("name", i.name)?;
-                    e.set_item("rdma_with_vmm", i.rdma_with_vmm)?;
-                }
-            } else {
-                for e in devices.iter() {
-                    e.set_item("name", "simulated device")?;
-                    e.set_item("rdma_with_vmm", false)?;
-                }
+            if let Some(version) = driver_version {
+                d.set_item("driver_version", version)?;
             }
             Ok(d)
         })

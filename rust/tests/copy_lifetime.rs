@@ -7,7 +7,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use cumem_rs::driver::sim::SimDriver;
-use cumem_rs::driver::{DevPtr, Driver, HostPtr, Op, PhysHandle};
+use cumem_rs::driver::{DevPtr, DeviceInfo, Driver, HostPtr, Op, PhysHandle};
 use cumem_rs::{Engine, Result, SimConfig};
 use parking_lot::Mutex;
 
@@ -45,6 +45,9 @@ impl Driver for Recording {
     }
     fn mem_info(&self, device: i32) -> Result<(usize, usize)> {
         self.sim.mem_info(device)
+    }
+    fn device_info(&self, device: i32) -> Result<DeviceInfo> {
+        self.sim.device_info(device)
     }
     fn reserve(&self, device: i32, size: usize) -> Result<DevPtr> {
         self.sim.reserve(device, size)
@@ -131,9 +134,6 @@ impl Driver for Recording {
     }
     fn thread_spawn(&self) -> Result<()> {
         self.sim.thread_spawn()
-    }
-    fn as_sim(&self) -> Option<&SimDriver> {
-        Some(&self.sim)
     }
 }
 

@@ -386,3 +386,89 @@ fn every_python_entry_point_turns_panics_into_errors() {
         "found only {checked} entry points: the check no longer matches python.rs"
     );
 }
+
+/// The simulated driver held about a thousand live allocations at most: it opened a memfd per physical handle,
+/// so under a descriptor limit of 1024 (a common default) malloc failed near allocation 1019 with "Too many open
+/// files". With slices of a memfd per device, the limit is the device's capacity. The test runs itself again in
+/// a child process whose descriptor limit is 256 (set by the shell's `ulimit`, which leaves this process alone).
+#[test]
+fn ten_thousand_live_allocations_under_a_descriptor_limit_of_256() {
+    const CHILD: &str = "RELIABILITY_TEST_NOFILE_CHILD";
+    const NAME: &str = "ten_thousand_live_allocations_under_a_descriptor_limit_of_256";
+    if std::env::var_os(CHILD).is_none() {
+        let out = std::process::Command::new("/bin/sh")
+            .arg("-c")
+            .arg("ulimit -n 256 && exec \"$0\" \"$@\"")
+            .arg(std::env::current_exe().unwrap())
+            .args(["--exact", NAME, "--test-threads=1", "--nocapture"])
+            .env(CHILD, "1")
+            .output()
+            .unwrap();
+        let text = format!(
+            "{}\n{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(out.status.success(), "the child failed:\n{text}");
+        assert!(
+            text.contains("1 passed"),
+            "the child did not run the test:\n{text}"
+        );
+        return;
+    }
+
+    let limits = std::fs::read_to_string("/proc/self/limits").unwrap();
+    let soft: u64 = limits
+        .lines()
+        .find(|l| l.starts_with("Max open files"))
+        .and_then(|l| l.split_whitespace().nth(3))
+        .and_then(|n| n.parse().ok())
+        .unwrap();
+    assert!(soft <= 256, "the descriptor limit was not lowered: {soft}");
+
+    const N: usize = 10_000;
+    let page = 4096;
+    let sim = Arc::new(
+        SimDriver::new(cumem_rs::SimConfig {
+            capacity: N * page,
+            granularity: page,
+            ..cumem_rs::SimConfig::default()
+        })
+        .unwrap(),
+    );
+    let e = Engine::new(sim.clone()).unwrap();
+    let addrs: Vec<u64> = (0..N)
+        .map(|i| {
+            e.malloc(page, 0, 0)
+                .unwrap_or_else(|err| panic!("allocation {i}: {err}"))
+        })
+        .collect();
+    assert_eq!(sim.counts().handles, N);
+    assert_eq!(
+        sim.counts().used_bytes,
+        vec![N * page],
+        "the capacity is all used"
+    );
+    let marked = [0, 1, N / 2, N - 2, N - 1];
+    for &i in &marked {
+        e.write(addrs[i], &pattern(i as u8, page)).unwrap();
+    }
+    e.sleep(&["default"]).unwrap();
+    assert_eq!(sim.counts().handles, 0, "asleep: every handle released");
+    assert_eq!(sim.counts().used_bytes, vec![0]);
+    e.wake(NONE).unwrap();
+    // (The wake may map adjacent allocations with one handle, so only the bytes are counted.)
+    assert_eq!(sim.counts().used_bytes, vec![N * page], "awake again");
+    for &i in &marked {
+        assert_eq!(
+            e.read(addrs[i], page).unwrap(),
+            pattern(i as u8, page),
+            "allocation {i}"
+        );
+    }
+    for a in addrs {
+        e.free(a).unwrap();
+    }
+    e.close().unwrap();
+    assert_no_leaks(&sim);
+}

@@ -10,8 +10,9 @@ use std::sync::OnceLock;
 
 use cudarc::driver::sys::{self, CUresult};
 
+use super::cuda_check::check;
 use super::cuda_fingerprint::FingerprintKernel;
-use super::{DevPtr, Driver, HostPtr, Op, PhysHandle};
+use super::{DevPtr, DeviceInfo, Driver, HostPtr, Op, PhysHandle};
 use crate::error::{Error, Result};
 use crate::fingerprint::Fingerprint;
 
@@ -45,34 +46,6 @@ pub struct CudaDriver {
     driver_version: i32,
 }
 
-/// Public facts about a device, for `info`.
-#[derive(Debug, Clone)]
-pub struct DeviceInfo {
-    pub name: String,
-    pub granularity: usize,
-    pub rdma_with_vmm: bool,
-}
-
-fn error_name(code: CUresult) -> String {
-    let mut p: *const std::ffi::c_char = std::ptr::null();
-    // SAFETY: cuGetErrorName writes a pointer to a static string or leaves it null.
-    let r = unsafe { sys::cuGetErrorName(code, &mut p) };
-    if r == CUresult::CUDA_SUCCESS && !p.is_null() {
-        // SAFETY: non-null pointer to a NUL-terminated static string owned by the driver.
-        unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned()
-    } else {
-        format!("{code:?}")
-    }
-}
-
-pub(super) fn check(op: &'static str, r: CUresult) -> Result<()> {
-    if r == CUresult::CUDA_SUCCESS {
-        Ok(())
-    } else {
-        Err(Error::driver(op, r as i32, error_name(r)))
-    }
-}
-
 /// Whether libcuda can be loaded; never panics.
 pub fn library_present() -> bool {
     // SAFETY: only tries to dlopen the library.
@@ -91,7 +64,7 @@ impl CudaDriver {
         std::panic::catch_unwind(Self::init).unwrap_or_else(|p| {
             Err(Error::NoCuda(format!(
                 "loading the CUDA driver panicked: {}",
-                crate::panic_message(&*p)
+                crate::error::panic_message(&*p)
             )))
         })
     }
@@ -147,31 +120,6 @@ impl CudaDriver {
                 driver_version: version,
             })
         }
-    }
-
-    pub fn driver_version(&self) -> i32 {
-        self.driver_version
-    }
-
-    pub fn device_info(&self, device: i32) -> Result<DeviceInfo> {
-        let d = self.device(device)?;
-        let mut name = [0 as std::ffi::c_char; 256];
-        // SAFETY: the buffer holds 256 bytes and the driver writes a NUL-terminated name into it.
-        unsafe {
-            check(
-                "cuDeviceGetName",
-                sys::cuDeviceGetName(name.as_mut_ptr(), 256, d.ordinal),
-            )?
-        };
-        // SAFETY: NUL-terminated by the driver (and zero-initialised).
-        let name = unsafe { CStr::from_ptr(name.as_ptr()) }
-            .to_string_lossy()
-            .into_owned();
-        Ok(DeviceInfo {
-            name,
-            granularity: d.granularity,
-            rdma_with_vmm: d.rdma_with_vmm,
-        })
     }
 
     fn device(&self, device: i32) -> Result<&Device> {
@@ -351,6 +299,28 @@ impl Driver for CudaDriver {
         // SAFETY: valid out-pointers; the device's context is current.
         unsafe { check("cuMemGetInfo", sys::cuMemGetInfo_v2(&mut free, &mut total))? };
         Ok((free, total))
+    }
+
+    fn device_info(&self, device: i32) -> Result<DeviceInfo> {
+        let d = self.device(device)?;
+        let mut name = [0 as std::ffi::c_char; 256];
+        // SAFETY: the buffer holds 256 bytes and the driver writes a NUL-terminated name into it.
+        unsafe {
+            check(
+                "cuDeviceGetName",
+                sys::cuDeviceGetName(name.as_mut_ptr(), 256, d.ordinal),
+            )?
+        };
+        // SAFETY: NUL-terminated by the driver (and zero-initialised).
+        let name = unsafe { CStr::from_ptr(name.as_ptr()) }
+            .to_string_lossy()
+            .into_owned();
+        Ok(DeviceInfo {
+            name,
+            granularity: d.granularity,
+            rdma_with_vmm: d.rdma_with_vmm,
+            driver_version: Some(self.driver_version),
+        })
     }
 
     fn reserve(&self, device: i32, size: usize) -> Result<DevPtr> {

@@ -11,9 +11,9 @@ use std::ffi::c_void;
 use cudarc::driver::sys;
 use parking_lot::Mutex;
 
-use super::cuda::check;
+use super::cuda_check::check;
 use super::{DevPtr, Op};
-use crate::error::{Error, Result};
+use crate::error::{cuda_code, Error, Result};
 use crate::fingerprint::{Fingerprint, WORD};
 
 /// PTX ISA 8.0 (loads on drivers from CUDA 12.0 on), NUL-terminated as cuModuleLoadData wants it.
@@ -77,8 +77,10 @@ impl FingerprintKernel {
     /// Queue a batch on `stream`. The device's context must be current.
     pub(super) fn queue(&self, stream: sys::CUstream, chunks: &[(DevPtr, usize)]) -> Result<()> {
         let op = Op::Fingerprint.name();
-        let invalid =
-            |why: String| Error::driver(op, 1, format!("CUDA_ERROR_INVALID_VALUE ({why})"));
+        let invalid = |why: String| {
+            let code = cuda_code::INVALID_VALUE;
+            Error::driver(op, code, format!("{} ({why})", cuda_code::name(code)))
+        };
         let mut st = self.inner.lock();
         if st.pending.is_some() {
             return Err(invalid(

@@ -1,5 +1,9 @@
 //! The handful of driver operations the allocator needs, behind one trait so that the engine runs unchanged on
-//! the real CUDA driver (`cuda.rs`) and on the host emulation (`sim.rs`).
+//! the real CUDA driver (`cuda.rs`) and on the host emulation (`sim.rs`). Fault injection is an adaptor around
+//! any driver (`fault_injection.rs`); the trait knows nothing of it, nor of the emulation.
+//!
+//! Imports inside this folder go one way: `cuda` -> `cuda_fingerprint` -> `cuda_check`, `cuda` -> `cuda_check`,
+//! `sim` -> `fault_injection`, and every one of them -> this module.
 //!
 //! Addresses are `u64` device virtual addresses. Physical memory is an opaque `PhysHandle`. Host memory given
 //! to the copy functions is described by `HostPtr`s that point into buffers owned by `host.rs`; the engine keeps
@@ -29,7 +33,9 @@
 //! ```
 
 pub mod cuda;
+mod cuda_check;
 mod cuda_fingerprint;
+pub mod fault_injection;
 pub mod sim;
 
 use crate::error::Result;
@@ -45,6 +51,19 @@ pub struct PhysHandle(pub u64);
 /// and their callers (`host.rs`, the slice copies below) answer for the memory behind it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct HostPtr(pub usize);
+
+/// What a driver can tell about one of its devices (printed by `info()`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DeviceInfo {
+    /// The device's marketing name ("NVIDIA H200"), or "simulated device".
+    pub name: String,
+    /// Minimum granularity of physical allocations, as `Driver::granularity`.
+    pub granularity: usize,
+    /// Whether physical memory is created GPUDirect-RDMA capable (NICs can register it).
+    pub rdma_with_vmm: bool,
+    /// The CUDA driver's version (`cuDriverGetVersion`, e.g. 12080); None on the simulated driver.
+    pub driver_version: Option<i32>,
+}
 
 /// The operations of a driver, named as fault-injection targets use them.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -129,6 +148,8 @@ pub trait Driver: Send + Sync {
     fn granularity(&self, device: i32) -> Result<usize>;
     /// (free, total) physical bytes on `device`.
     fn mem_info(&self, device: i32) -> Result<(usize, usize)>;
+    /// Facts about `device` for diagnostics; the simulated driver answers with its configuration.
+    fn device_info(&self, device: i32) -> Result<DeviceInfo>;
 
     /// Reserve `size` bytes of virtual address space (no physical memory).
     fn reserve(&self, device: i32, size: usize) -> Result<DevPtr>;
@@ -198,23 +219,19 @@ pub trait Driver: Send + Sync {
     /// must not be used afterwards.
     unsafe fn host_free(&self, ptr: HostPtr) -> Result<()>;
 
-    /// Asked before the allocator starts a worker thread (pinning, first touch of host pages). Real drivers
-    /// allow it; the simulated driver counts the call as `Op::ThreadSpawn` and fails it when a fault is armed,
-    /// so that tests reach the path where no thread could be started and the work runs on the calling thread.
+    /// Not a driver call but a fault-injection point: asked before the allocator starts a worker thread
+    /// (pinning, first touch of host pages). Drivers allow it; `fault_injection::FaultInjector` counts it as
+    /// `Op::ThreadSpawn` and fails it when a fault is armed, so that tests reach the path where no thread could
+    /// be started and the work runs on the calling thread.
     fn thread_spawn(&self) -> Result<()> {
         Ok(())
     }
 
-    /// Bytes of host memory that can still be pinned now, if known (see `crate::host_guard`): the engine
-    /// refuses to pin past it rather than let the OS kill the process. The simulated driver answers from its
-    /// configured budget.
+    /// Bytes of host memory that can still be pinned now, if known: the engine refuses to pin past it rather
+    /// than let the OS kill the process. This is a fact of the machine, not of the driver, so the default asks
+    /// the host (`crate::host_guard`); the simulated driver answers from its configured host budget instead.
     fn host_available(&self) -> Option<usize> {
         crate::host_guard::available()
-    }
-
-    /// The simulated driver's extra controls (fault injection, live counts); None on real drivers.
-    fn as_sim(&self) -> Option<&sim::SimDriver> {
-        None
     }
 }
 

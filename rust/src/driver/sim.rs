@@ -1,33 +1,40 @@
 //! Host emulation of the CUDA virtual-memory API, with the same semantics the engine relies on.
 //!
 //! - a virtual range is an `mmap(PROT_NONE)` reservation, so its address is real and stays fixed;
-//! - a physical handle is a `memfd` of the rounded size, counted against a per-device capacity;
-//! - map = `mmap(MAP_FIXED | MAP_SHARED)` of the memfd over the range, still inaccessible until `set_access`
+//! - a physical handle is a slice of the device's memfd (`sim/slices.rs`), counted against a per-device
+//!   capacity;
+//! - map = `mmap(MAP_FIXED | MAP_SHARED)` of the slice over the range, still inaccessible until `set_access`
 //!   (as on CUDA, where mapped memory faults until cuMemSetAccess); unmap = `PROT_NONE` reservation again;
 //! - copies are memcpy, after checking the device side is mapped and accessible (CUDA fails such copies too);
 //! - fresh physical memory is filled with `POISON`, so discarded data never silently reads as zero or as the
 //!   old contents (only an explicit `memset_zero`, asked for by a tag's wake-fill policy, zeroes it);
-//! - fault injection: the n-th next call of an operation fails with a chosen CUDA error code (or, to test that
-//!   panics are contained, panics inside the call).
+//! - errors carry the codes CUDA gives (`crate::error::cuda_code`).
+//!
+//! `Emulator` is the emulation; `SimDriver`, what users and tests get, is the emulation inside the fault
+//! injector (`driver/fault_injection.rs`): the n-th next call of an operation fails with a chosen CUDA error code
+//! (or, to test that panics are contained, panics inside the call).
 //!
 //! This is shipped code, not a test double: users run their sleep/wake logic on it in CPU-only CI.
 
 use std::collections::{BTreeMap, HashMap};
 use std::ffi::c_void;
-use std::os::fd::OwnedFd;
 
 use parking_lot::Mutex;
-use rustix::fs::{ftruncate, memfd_create, MemfdFlags};
 use rustix::mm::{mmap, mmap_anonymous, mprotect, munmap, MapFlags, MprotectFlags, ProtFlags};
 
-use super::{DevPtr, Driver, HostPtr, Op, PhysHandle};
-use crate::error::{Error, Result};
+use super::fault_injection::FaultInjector;
+use super::{DevPtr, DeviceInfo, Driver, HostPtr, Op, PhysHandle};
+use crate::error::{cuda_code, Error, Result};
 use crate::fingerprint::{self, Fingerprint};
 
-mod faults;
+mod host_pins;
+mod slices;
+#[cfg(test)]
+mod tests;
 
-use faults::Fault;
-pub use faults::FAULT_ERRORS;
+pub use super::fault_injection::FAULT_ERRORS;
+use host_pins::HostPins;
+use slices::Slices;
 
 /// More simulated devices than any machine has GPUs is a mistake, not a configuration.
 pub const MAX_SIM_DEVICES: usize = 1024;
@@ -76,7 +83,8 @@ struct Range {
 struct Handle {
     device: i32,
     size: usize,
-    fd: OwnedFd,
+    /// Where its slice starts in the device's memfd.
+    offset: u64,
     released: bool,
     map_count: usize,
     /// Not yet poisoned: the first map fills it.
@@ -89,10 +97,9 @@ struct State {
     handles: HashMap<u64, Handle>,
     next_handle: u64,
     used: Vec<usize>,
-    host_registered: HashMap<usize, usize>,
-    host_allocated: HashMap<usize, usize>,
-    calls: HashMap<Op, u64>,
-    faults: Vec<Fault>,
+    /// Physical memory of each device.
+    slices: Vec<Slices>,
+    host: HostPins,
     /// Markers recorded and not yet waited for (leak check: CUDA events must be destroyed).
     markers: std::collections::HashSet<u64>,
     next_marker: u64,
@@ -112,25 +119,54 @@ pub struct SimCounts {
     pub markers: usize,
     /// Fingerprint batches queued and not taken (each must be taken, like markers waited for).
     pub fingerprint_batches: usize,
+    /// Calls per operation (every `Op`), as the fault injector counted them; empty from `Emulator::counts`.
     pub calls: Vec<(&'static str, u64)>,
 }
 
-pub struct SimDriver {
+/// The host emulation of the driver (see the module notes), without fault injection.
+pub struct Emulator {
     config: SimConfig,
     state: Mutex<State>,
+}
+
+/// The simulated driver: the emulation inside the fault injector.
+pub type SimDriver = FaultInjector<Emulator>;
+
+impl FaultInjector<Emulator> {
+    pub fn new(config: SimConfig) -> Result<SimDriver> {
+        Ok(FaultInjector::around(Emulator::new(config)?))
+    }
+
+    /// Live resources of the emulation, with the calls the injector counted.
+    pub fn counts(&self) -> SimCounts {
+        SimCounts {
+            calls: self.calls(),
+            ..self.inner().counts()
+        }
+    }
+}
+
+/// A failed call of `op` with a CUDA error code, its name and why (`what`, may be empty).
+fn cuda_err(op: Op, code: i32, what: &str) -> Error {
+    let name = cuda_code::name(code);
+    if what.is_empty() {
+        Error::driver(op.name(), code, name)
+    } else {
+        Error::driver(op.name(), code, format!("{name} ({what})"))
+    }
 }
 
 fn os_err(op: Op, e: rustix::io::Errno) -> Error {
     // The host running out of address space or memory is what CUDA reports as CUDA_ERROR_OUT_OF_MEMORY.
     let code = if e == rustix::io::Errno::NOMEM {
-        2
+        cuda_code::OUT_OF_MEMORY
     } else {
-        999
+        cuda_code::UNKNOWN
     };
     Error::driver(op.name(), code, format!("host emulation: {e}"))
 }
 
-impl SimDriver {
+impl Emulator {
     pub fn new(config: SimConfig) -> Result<Self> {
         if config.devices == 0 || config.devices > MAX_SIM_DEVICES {
             return Err(Error::invalid(format!(
@@ -147,17 +183,20 @@ impl SimDriver {
         }
         let state = State {
             used: vec![0; config.devices],
+            slices: (0..config.devices).map(|_| Slices::default()).collect(),
             next_handle: 1,
             ..State::default()
         };
-        Ok(SimDriver {
+        Ok(Emulator {
             config,
             state: Mutex::new(state),
         })
     }
 
+    /// Live resources (`calls` is left empty: the fault injector counts calls).
     pub fn counts(&self) -> SimCounts {
         let st = self.state.lock();
+        let (host_registered, host_allocated) = st.host.counts();
         SimCounts {
             ranges: st.ranges.len(),
             handles: st.handles.len(),
@@ -168,14 +207,11 @@ impl SimDriver {
                 .map(|m| m.size)
                 .sum(),
             used_bytes: st.used.clone(),
-            host_registered: st.host_registered.len(),
-            host_allocated: st.host_allocated.len(),
+            host_registered,
+            host_allocated,
             markers: st.markers.len(),
             fingerprint_batches: st.fingerprints.len(),
-            calls: Op::ALL
-                .iter()
-                .map(|op| (op.name(), st.calls.get(op).copied().unwrap_or(0)))
-                .collect(),
+            calls: Vec::new(),
         }
     }
 
@@ -225,56 +261,37 @@ impl State {
     /// What both copy directions check, as CUDA would reject them: the device side (`role`: "source" or
     /// "destination") is mapped and accessible, and the host side stays inside one registration.
     fn check_copy(
-        &mut self,
+        &self,
         op: Op,
         device_side: DevPtr,
         role: &str,
         host: usize,
         size: usize,
     ) -> Result<()> {
-        self.enter(op)?;
         if !self.accessible(device_side, size) {
-            return Err(Error::driver(
-                op.name(),
-                1,
-                format!("CUDA_ERROR_INVALID_VALUE ({role} not mapped)"),
+            return Err(cuda_err(
+                op,
+                cuda_code::INVALID_VALUE,
+                &format!("{role} not mapped"),
             ));
         }
-        if !self.host_range_ok(host, size) {
-            return Err(Error::driver(
-                op.name(),
-                1,
-                "CUDA_ERROR_INVALID_VALUE (host range spans registrations)",
+        if !self.host.range_ok(host, size) {
+            return Err(cuda_err(
+                op,
+                cuda_code::INVALID_VALUE,
+                "host range spans registrations",
             ));
         }
         Ok(())
     }
 
-    /// As on CUDA, the host side of a copy that starts in registered memory must stay inside that one
-    /// registration (a copy spanning two registrations fails with CUDA_ERROR_INVALID_VALUE).
-    fn host_range_ok(&self, ptr: usize, size: usize) -> bool {
-        self.host_registered
-            .iter()
-            .chain(self.host_allocated.iter())
-            .find(|(&p, &l)| p <= ptr && ptr < p + l)
-            .is_none_or(|(&p, &l)| ptr + size <= p + l)
-    }
-
-    /// Host bytes pinned now (registered plus allocated by `host_alloc`).
-    fn host_pinned(&self) -> usize {
-        self.host_registered
-            .values()
-            .chain(self.host_allocated.values())
-            .sum()
-    }
-
     /// Fail `op` as CUDA does when pinning `size` more host bytes would pass the budget.
     fn check_host_budget(&self, op: Op, size: usize, budget: Option<usize>) -> Result<()> {
         match budget {
-            Some(b) if self.host_pinned().saturating_add(size) > b => Err(Error::driver(
-                op.name(),
-                2,
-                "CUDA_ERROR_OUT_OF_MEMORY (simulated host memory budget)",
+            Some(b) if self.host.pinned().saturating_add(size) > b => Err(cuda_err(
+                op,
+                cuda_code::OUT_OF_MEMORY,
+                "simulated host memory budget",
             )),
             _ => Ok(()),
         }
@@ -288,11 +305,12 @@ impl State {
         if done {
             let h = self.handles.remove(&handle).expect("checked above");
             self.used[h.device as usize] -= h.size;
+            self.slices[h.device as usize].give_back(h.offset, h.size);
         }
     }
 }
 
-impl Driver for SimDriver {
+impl Driver for Emulator {
     fn backend(&self) -> &'static str {
         "sim"
     }
@@ -315,23 +333,28 @@ impl Driver for SimDriver {
         ))
     }
 
+    fn device_info(&self, device: i32) -> Result<DeviceInfo> {
+        self.check_device(device)?;
+        Ok(DeviceInfo {
+            name: "simulated device".into(),
+            granularity: self.config.granularity,
+            rdma_with_vmm: false,
+            driver_version: None,
+        })
+    }
+
     fn reserve(&self, device: i32, size: usize) -> Result<DevPtr> {
         self.check_device(device)?;
         let mut st = self.state.lock();
-        st.enter(Op::Reserve)?;
         if size == 0 || !size.is_multiple_of(self.config.granularity) {
-            return Err(Error::driver(
-                Op::Reserve.name(),
-                1,
-                "CUDA_ERROR_INVALID_VALUE",
-            ));
+            return Err(cuda_err(Op::Reserve, cuda_code::INVALID_VALUE, ""));
         }
         // Reserve one granule more than asked and trim, so that the range is aligned to the granularity as CUDA's
         // reservations are (callers may rely on it, e.g. for large-page mappings).
         let gran = self.config.granularity;
         let padded = size
             .checked_add(gran)
-            .ok_or_else(|| Error::driver(Op::Reserve.name(), 2, "CUDA_ERROR_OUT_OF_MEMORY"))?;
+            .ok_or_else(|| cuda_err(Op::Reserve, cuda_code::OUT_OF_MEMORY, ""))?;
         // SAFETY: a fresh anonymous PROT_NONE mapping at an address the kernel chooses touches no existing memory.
         let raw = unsafe {
             mmap_anonymous(
@@ -366,21 +389,20 @@ impl Driver for SimDriver {
 
     fn free_range(&self, addr: DevPtr, size: usize) -> Result<()> {
         let mut st = self.state.lock();
-        st.enter(Op::FreeRange)?;
         match st.ranges.get(&addr) {
             Some(r) if r.size == size && r.maps.is_empty() => {}
             Some(r) if !r.maps.is_empty() => {
-                return Err(Error::driver(
-                    Op::FreeRange.name(),
-                    1,
-                    "CUDA_ERROR_INVALID_VALUE (range still mapped)",
+                return Err(cuda_err(
+                    Op::FreeRange,
+                    cuda_code::INVALID_VALUE,
+                    "range still mapped",
                 ))
             }
             _ => {
-                return Err(Error::driver(
-                    Op::FreeRange.name(),
-                    1,
-                    "CUDA_ERROR_INVALID_VALUE (not a reserved range)",
+                return Err(cuda_err(
+                    Op::FreeRange,
+                    cuda_code::INVALID_VALUE,
+                    "not a reserved range",
                 ))
             }
         }
@@ -393,24 +415,13 @@ impl Driver for SimDriver {
     fn create(&self, device: i32, size: usize) -> Result<PhysHandle> {
         let d = self.check_device(device)?;
         let mut st = self.state.lock();
-        st.enter(Op::Create)?;
         if size == 0 || !size.is_multiple_of(self.config.granularity) {
-            return Err(Error::driver(
-                Op::Create.name(),
-                1,
-                "CUDA_ERROR_INVALID_VALUE",
-            ));
+            return Err(cuda_err(Op::Create, cuda_code::INVALID_VALUE, ""));
         }
         if st.used[d].saturating_add(size) > self.config.capacity {
-            return Err(Error::driver(
-                Op::Create.name(),
-                2,
-                "CUDA_ERROR_OUT_OF_MEMORY",
-            ));
+            return Err(cuda_err(Op::Create, cuda_code::OUT_OF_MEMORY, ""));
         }
-        let fd =
-            memfd_create("cumem-sim", MemfdFlags::CLOEXEC).map_err(|e| os_err(Op::Create, e))?;
-        ftruncate(&fd, size as u64).map_err(|e| os_err(Op::Create, e))?;
+        let offset = st.slices[d].take(size).map_err(|e| os_err(Op::Create, e))?;
         let id = st.next_handle;
         st.next_handle += 1;
         st.used[d] += size;
@@ -419,7 +430,7 @@ impl Driver for SimDriver {
             Handle {
                 device,
                 size,
-                fd,
+                offset,
                 released: false,
                 map_count: 0,
                 fresh: true,
@@ -430,14 +441,13 @@ impl Driver for SimDriver {
 
     fn release(&self, handle: PhysHandle) -> Result<()> {
         let mut st = self.state.lock();
-        st.enter(Op::Release)?;
         match st.handles.get_mut(&handle.0) {
             Some(h) if !h.released => h.released = true,
             _ => {
-                return Err(Error::driver(
-                    Op::Release.name(),
-                    1,
-                    "CUDA_ERROR_INVALID_VALUE (unknown handle)",
+                return Err(cuda_err(
+                    Op::Release,
+                    cuda_code::INVALID_VALUE,
+                    "unknown handle",
                 ))
             }
         }
@@ -447,14 +457,7 @@ impl Driver for SimDriver {
 
     fn map(&self, addr: DevPtr, size: usize, handle: PhysHandle) -> Result<()> {
         let mut st = self.state.lock();
-        st.enter(Op::Map)?;
-        let invalid = |why: &str| {
-            Error::driver(
-                Op::Map.name(),
-                1,
-                format!("CUDA_ERROR_INVALID_VALUE ({why})"),
-            )
-        };
+        let invalid = |why: &str| cuda_err(Op::Map, cuda_code::INVALID_VALUE, why);
         let (start, range) = st
             .range_of(addr, size)
             .ok_or_else(|| invalid("not inside a reserved range"))?;
@@ -474,17 +477,21 @@ impl Driver for SimDriver {
         if h.released || h.size != size {
             return Err(invalid("handle released or of another size"));
         }
-        let fresh = h.fresh;
+        let (fresh, offset) = (h.fresh, h.offset);
+        let fd = st.slices[h.device as usize]
+            .fd()
+            .expect("a live handle's device has its memfd");
         // SAFETY: [addr, addr+size) lies inside a reservation of ours with no mapping in it (checked above), so
-        // MAP_FIXED replaces only our own PROT_NONE placeholder pages.
+        // MAP_FIXED replaces only our own PROT_NONE placeholder pages; [offset, offset+size) is the handle's own
+        // slice of the memfd, inside the file.
         unsafe {
             mmap(
                 addr as *mut c_void,
                 size,
                 ProtFlags::READ | ProtFlags::WRITE,
                 MapFlags::SHARED | MapFlags::FIXED,
-                &h.fd,
-                0,
+                fd,
+                offset,
             )
         }
         .map_err(|e| os_err(Op::Map, e))?;
@@ -512,21 +519,16 @@ impl Driver for SimDriver {
 
     fn unmap(&self, addr: DevPtr, size: usize) -> Result<()> {
         let mut st = self.state.lock();
-        st.enter(Op::Unmap)?;
-        let (start, range) = st.range_of(addr, size).ok_or_else(|| {
-            Error::driver(
-                Op::Unmap.name(),
-                1,
-                "CUDA_ERROR_INVALID_VALUE (not reserved)",
-            )
-        })?;
+        let (start, range) = st
+            .range_of(addr, size)
+            .ok_or_else(|| cuda_err(Op::Unmap, cuda_code::INVALID_VALUE, "not reserved"))?;
         match range.maps.get(&addr) {
             Some(m) if m.size == size => {}
             _ => {
-                return Err(Error::driver(
-                    Op::Unmap.name(),
-                    1,
-                    "CUDA_ERROR_INVALID_VALUE (not a mapping)",
+                return Err(cuda_err(
+                    Op::Unmap,
+                    cuda_code::INVALID_VALUE,
+                    "not a mapping",
                 ))
             }
         }
@@ -558,14 +560,13 @@ impl Driver for SimDriver {
     fn set_access(&self, device: i32, addr: DevPtr, size: usize) -> Result<()> {
         self.check_device(device)?;
         let mut st = self.state.lock();
-        st.enter(Op::SetAccess)?;
         let start = match st.range_of(addr, size) {
             Some((start, r)) if r.maps.get(&addr).is_some_and(|m| m.size == size) => start,
             _ => {
-                return Err(Error::driver(
-                    Op::SetAccess.name(),
-                    1,
-                    "CUDA_ERROR_INVALID_VALUE (not a mapping)",
+                return Err(cuda_err(
+                    Op::SetAccess,
+                    cuda_code::INVALID_VALUE,
+                    "not a mapping",
                 ))
             }
         };
@@ -590,7 +591,7 @@ impl Driver for SimDriver {
 
     unsafe fn copy_d2h(&self, device: i32, dst: HostPtr, src: DevPtr, size: usize) -> Result<()> {
         self.check_device(device)?;
-        let mut st = self.state.lock();
+        let st = self.state.lock();
         st.check_copy(Op::CopyD2H, src, "source", dst.0, size)?;
         // SAFETY: the source is mapped read-write (checked under the lock, which unmap also takes); the destination
         // is valid for `size` bytes of writes (the caller's contract of this unsafe fn).
@@ -600,7 +601,7 @@ impl Driver for SimDriver {
 
     unsafe fn copy_h2d(&self, device: i32, dst: DevPtr, src: HostPtr, size: usize) -> Result<()> {
         self.check_device(device)?;
-        let mut st = self.state.lock();
+        let st = self.state.lock();
         st.check_copy(Op::CopyH2D, dst, "destination", src.0, size)?;
         // SAFETY: as in copy_d2h, with the roles swapped.
         unsafe { std::ptr::copy_nonoverlapping(src.0 as *const u8, dst as *mut u8, size) };
@@ -609,13 +610,12 @@ impl Driver for SimDriver {
 
     fn memset_zero(&self, device: i32, addr: DevPtr, size: usize) -> Result<()> {
         self.check_device(device)?;
-        let mut st = self.state.lock();
-        st.enter(Op::MemsetZero)?;
+        let st = self.state.lock();
         if !st.accessible(addr, size) {
-            return Err(Error::driver(
-                Op::MemsetZero.name(),
-                1,
-                "CUDA_ERROR_INVALID_VALUE (destination not mapped)",
+            return Err(cuda_err(
+                Op::MemsetZero,
+                cuda_code::INVALID_VALUE,
+                "destination not mapped",
             ));
         }
         // SAFETY: the range is mapped read-write (checked under the lock, which unmap also takes).
@@ -624,21 +624,14 @@ impl Driver for SimDriver {
     }
 
     fn wait(&self, device: i32) -> Result<()> {
-        self.check_device(device)?;
-        self.state.lock().enter(Op::Wait)
+        self.check_device(device)?; // copies are synchronous: nothing to wait for
+        Ok(())
     }
 
     fn queue_fingerprints(&self, device: i32, chunks: &[(DevPtr, usize)]) -> Result<()> {
         self.check_device(device)?;
         let mut st = self.state.lock();
-        st.enter(Op::Fingerprint)?;
-        let invalid = |why: String| {
-            Error::driver(
-                Op::Fingerprint.name(),
-                1,
-                format!("CUDA_ERROR_INVALID_VALUE ({why})"),
-            )
-        };
+        let invalid = |why: String| cuda_err(Op::Fingerprint, cuda_code::INVALID_VALUE, &why);
         if st.fingerprints.contains_key(&device) {
             return Err(invalid(format!(
                 "a batch is already queued on device {device}"
@@ -674,7 +667,6 @@ impl Driver for SimDriver {
     fn record_marker(&self, device: i32) -> Result<u64> {
         self.check_device(device)?;
         let mut st = self.state.lock();
-        st.enter(Op::Record)?;
         st.next_marker += 1;
         let m = st.next_marker;
         st.markers.insert(m);
@@ -685,20 +677,19 @@ impl Driver for SimDriver {
         self.check_device(device)?;
         let mut st = self.state.lock();
         let known = st.markers.remove(&marker);
-        st.enter(Op::Wait)?;
         if !known {
-            return Err(Error::driver(
-                Op::Wait.name(),
-                400,
-                "CUDA_ERROR_INVALID_HANDLE (unknown marker)",
+            return Err(cuda_err(
+                Op::Wait,
+                cuda_code::INVALID_HANDLE,
+                "unknown marker",
             ));
         }
         Ok(())
     }
 
     fn synchronize(&self, device: i32, _stream: u64) -> Result<()> {
-        self.check_device(device)?;
-        self.state.lock().enter(Op::Synchronize)
+        self.check_device(device)?; // no device work runs behind the host's back
+        Ok(())
     }
 
     unsafe fn host_register(&self, ptr: HostPtr, size: usize) -> Result<()> {
@@ -706,37 +697,32 @@ impl Driver for SimDriver {
             std::thread::sleep(self.config.host_register_delay);
         }
         let mut st = self.state.lock();
-        st.enter(Op::HostRegister)?;
         st.check_host_budget(Op::HostRegister, size, self.config.host_memory)?;
-        if st.host_registered.contains_key(&ptr.0) {
-            return Err(Error::driver(
-                Op::HostRegister.name(),
-                712,
-                "CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED",
+        // CUDA refuses memory that is registered already, wholly or in part.
+        if !st.host.register(ptr.0, size) {
+            return Err(cuda_err(
+                Op::HostRegister,
+                cuda_code::HOST_MEMORY_ALREADY_REGISTERED,
+                "",
             ));
         }
-        st.host_registered.insert(ptr.0, size);
         Ok(())
     }
 
     unsafe fn host_unregister(&self, ptr: HostPtr) -> Result<()> {
         let mut st = self.state.lock();
-        st.enter(Op::HostUnregister)?;
-        st.host_registered
-            .remove(&ptr.0)
-            .map(|_| ())
-            .ok_or_else(|| {
-                Error::driver(
-                    Op::HostUnregister.name(),
-                    713,
-                    "CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED",
-                )
-            })
+        if !st.host.unregister(ptr.0) {
+            return Err(cuda_err(
+                Op::HostUnregister,
+                cuda_code::HOST_MEMORY_NOT_REGISTERED,
+                "",
+            ));
+        }
+        Ok(())
     }
 
     fn host_alloc(&self, size: usize) -> Result<HostPtr> {
         let mut st = self.state.lock();
-        st.enter(Op::HostAlloc)?;
         st.check_host_budget(Op::HostAlloc, size.max(1), self.config.host_memory)?;
         // SAFETY: a fresh anonymous read-write mapping at an address the kernel chooses.
         let ptr = unsafe {
@@ -748,49 +734,39 @@ impl Driver for SimDriver {
             )
         }
         .map_err(|e| os_err(Op::HostAlloc, e))?;
-        st.host_allocated.insert(ptr as usize, size.max(1));
+        st.host.add_allocation(ptr as usize, size.max(1));
         Ok(HostPtr(ptr as usize))
     }
 
     unsafe fn host_free(&self, ptr: HostPtr) -> Result<()> {
         let mut st = self.state.lock();
-        let size = st.host_allocated.remove(&ptr.0).ok_or_else(|| {
-            Error::driver(
-                "host_free",
-                1,
-                "CUDA_ERROR_INVALID_VALUE (not a host allocation)",
-            )
+        let size = st.host.remove_allocation(ptr.0).ok_or_else(|| {
+            let code = cuda_code::INVALID_VALUE;
+            let name = cuda_code::name(code);
+            Error::driver("host_free", code, format!("{name} (not a host allocation)"))
         })?;
         // SAFETY: the mapping was made by host_alloc with this size and its owner gave it back.
         unsafe { munmap(ptr.0 as *mut c_void, size) }.map_err(|e| os_err(Op::HostAlloc, e))
     }
 
-    fn thread_spawn(&self) -> Result<()> {
-        self.state.lock().enter(Op::ThreadSpawn)
-    }
-
     fn host_available(&self) -> Option<usize> {
         match self.config.host_memory {
-            Some(b) => Some(b.saturating_sub(self.state.lock().host_pinned())),
+            Some(b) => Some(b.saturating_sub(self.state.lock().host.pinned())),
             None => crate::host_guard::available(),
         }
     }
-
-    fn as_sim(&self) -> Option<&SimDriver> {
-        Some(self)
-    }
 }
 
-impl Drop for SimDriver {
+impl Drop for Emulator {
     fn drop(&mut self) {
-        // Give back address space and host allocations that an aborted test may have left; handles close with
-        // their fds.
+        // Give back address space and host allocations that an aborted test may have left; physical memory goes
+        // with the devices' memfds.
         let st = self.state.get_mut();
         for (&addr, r) in &st.ranges {
             // SAFETY: each is a reservation of ours; no engine outlives the driver it holds an Arc of.
             let _ = unsafe { munmap(addr as *mut c_void, r.size) };
         }
-        for (&ptr, &size) in &st.host_allocated {
+        for (ptr, size) in st.host.allocations() {
             // SAFETY: made by host_alloc; nobody can use it after the driver is gone.
             let _ = unsafe { munmap(ptr as *mut c_void, size) };
         }

@@ -1,0 +1,262 @@
+//! Fault injection around any driver, in the manner of RAPIDS RMM's resource adaptors: `FaultInjector<D>` is a
+//! `Driver` that counts every call it forwards to `D` and makes the n-th next call of a chosen operation fail
+//! with a chosen CUDA error code (or panic, to test that panics are contained), so that every rollback path of
+//! the engine can be driven from tests. The driver inside knows nothing of it; the simulated driver users get
+//! (`sim::SimDriver`) is this adaptor around the host emulation.
+
+use std::collections::HashMap;
+
+use parking_lot::Mutex;
+
+use super::{DevPtr, DeviceInfo, Driver, HostPtr, Op, PhysHandle};
+use crate::error::{cuda_code, Error, Result};
+use crate::fingerprint::Fingerprint;
+
+/// Error kinds that fault injection can produce (by the names Python passes), with their CUDA codes.
+pub const FAULT_ERRORS: [(&str, i32); 4] = [
+    ("oom", cuda_code::OUT_OF_MEMORY),
+    ("invalid", cuda_code::INVALID_VALUE),
+    ("unknown", cuda_code::UNKNOWN),
+    ("not_permitted", cuda_code::NOT_PERMITTED),
+];
+
+struct Fault {
+    op: Op,
+    /// The value of the op's call counter at which it fails.
+    at_call: u64,
+    /// The CUDA error code it returns; None: the call panics instead.
+    code: Option<i32>,
+}
+
+#[derive(Default)]
+struct Armed {
+    calls: HashMap<Op, u64>,
+    faults: Vec<Fault>,
+}
+
+/// A driver whose calls are counted and can be made to fail (see the module notes).
+pub struct FaultInjector<D> {
+    inner: D,
+    armed: Mutex<Armed>,
+}
+
+impl<D> FaultInjector<D> {
+    /// `inner` with no fault armed.
+    pub fn around(inner: D) -> Self {
+        FaultInjector {
+            inner,
+            armed: Mutex::new(Armed::default()),
+        }
+    }
+
+    /// The driver the calls go to.
+    pub fn inner(&self) -> &D {
+        &self.inner
+    }
+
+    /// The `nth` next call (1 = the very next) of `op` fails with CUDA error `code`.
+    pub fn inject_fault(&self, op: Op, nth: u64, code: i32) -> Result<()> {
+        self.arm(op, nth, Some(code))
+    }
+
+    /// The `nth` next call of `op` panics inside the driver, as a bug would: to test that a panic never crosses
+    /// into Python or C and never releases host memory under a queued copy.
+    pub fn inject_panic(&self, op: Op, nth: u64) -> Result<()> {
+        self.arm(op, nth, None)
+    }
+
+    fn arm(&self, op: Op, nth: u64, code: Option<i32>) -> Result<()> {
+        if nth == 0 {
+            return Err(Error::invalid("nth must be at least 1"));
+        }
+        let mut armed = self.armed.lock();
+        // A fault past the end of the call counter could never fire: refuse it rather than wrap around.
+        let at_call = armed
+            .calls
+            .get(&op)
+            .copied()
+            .unwrap_or(0)
+            .checked_add(nth)
+            .ok_or_else(|| {
+                Error::invalid(format!(
+                    "nth {nth} is too large: the fault could never fire"
+                ))
+            })?;
+        armed.faults.push(Fault { op, at_call, code });
+        Ok(())
+    }
+
+    pub fn clear_faults(&self) {
+        self.armed.lock().faults.clear();
+    }
+
+    /// How often each operation was called so far (every `Op`, in `Op::ALL` order), for sizing fault walks.
+    pub fn calls(&self) -> Vec<(&'static str, u64)> {
+        let armed = self.armed.lock();
+        Op::ALL
+            .iter()
+            .map(|op| (op.name(), armed.calls.get(op).copied().unwrap_or(0)))
+            .collect()
+    }
+
+    /// Count a call of `op` and fail it if a fault is armed for it.
+    fn enter(&self, op: Op) -> Result<()> {
+        let (n, fault) = {
+            let mut armed = self.armed.lock();
+            let n = armed.calls.entry(op).or_insert(0);
+            *n += 1;
+            let n = *n;
+            let i = armed
+                .faults
+                .iter()
+                .position(|f| f.op == op && f.at_call == n);
+            (n, i.map(|i| armed.faults.swap_remove(i)))
+        };
+        match fault {
+            None => Ok(()),
+            Some(Fault { code: None, .. }) => {
+                panic!("injected panic in driver call {} (call {n})", op.name())
+            }
+            Some(Fault {
+                code: Some(code), ..
+            }) => Err(Error::driver(op.name(), code, cuda_code::name(code))),
+        }
+    }
+}
+
+impl<D: Driver> Driver for FaultInjector<D> {
+    fn backend(&self) -> &'static str {
+        self.inner.backend()
+    }
+
+    fn device_count(&self) -> Result<usize> {
+        self.inner.device_count()
+    }
+
+    fn granularity(&self, device: i32) -> Result<usize> {
+        self.inner.granularity(device)
+    }
+
+    fn mem_info(&self, device: i32) -> Result<(usize, usize)> {
+        self.inner.mem_info(device)
+    }
+
+    fn device_info(&self, device: i32) -> Result<DeviceInfo> {
+        self.inner.device_info(device)
+    }
+
+    fn reserve(&self, device: i32, size: usize) -> Result<DevPtr> {
+        self.enter(Op::Reserve)?;
+        self.inner.reserve(device, size)
+    }
+
+    fn free_range(&self, addr: DevPtr, size: usize) -> Result<()> {
+        self.enter(Op::FreeRange)?;
+        self.inner.free_range(addr, size)
+    }
+
+    fn create(&self, device: i32, size: usize) -> Result<PhysHandle> {
+        self.enter(Op::Create)?;
+        self.inner.create(device, size)
+    }
+
+    fn release(&self, handle: PhysHandle) -> Result<()> {
+        self.enter(Op::Release)?;
+        self.inner.release(handle)
+    }
+
+    fn map(&self, addr: DevPtr, size: usize, handle: PhysHandle) -> Result<()> {
+        self.enter(Op::Map)?;
+        self.inner.map(addr, size, handle)
+    }
+
+    fn unmap(&self, addr: DevPtr, size: usize) -> Result<()> {
+        self.enter(Op::Unmap)?;
+        self.inner.unmap(addr, size)
+    }
+
+    fn set_access(&self, device: i32, addr: DevPtr, size: usize) -> Result<()> {
+        self.enter(Op::SetAccess)?;
+        self.inner.set_access(device, addr, size)
+    }
+
+    unsafe fn copy_d2h(&self, device: i32, dst: HostPtr, src: DevPtr, size: usize) -> Result<()> {
+        self.enter(Op::CopyD2H)?;
+        // SAFETY: forwarded under the caller's contract of this unsafe fn.
+        unsafe { self.inner.copy_d2h(device, dst, src, size) }
+    }
+
+    unsafe fn copy_h2d(&self, device: i32, dst: DevPtr, src: HostPtr, size: usize) -> Result<()> {
+        self.enter(Op::CopyH2D)?;
+        // SAFETY: forwarded under the caller's contract of this unsafe fn.
+        unsafe { self.inner.copy_h2d(device, dst, src, size) }
+    }
+
+    fn memset_zero(&self, device: i32, addr: DevPtr, size: usize) -> Result<()> {
+        self.enter(Op::MemsetZero)?;
+        self.inner.memset_zero(device, addr, size)
+    }
+
+    fn wait(&self, device: i32) -> Result<()> {
+        self.enter(Op::Wait)?;
+        self.inner.wait(device)
+    }
+
+    fn record_marker(&self, device: i32) -> Result<u64> {
+        self.enter(Op::Record)?;
+        self.inner.record_marker(device)
+    }
+
+    fn wait_marker(&self, device: i32, marker: u64) -> Result<()> {
+        // The marker is forgotten also when the wait fails (the trait's contract), so a failed wait still
+        // reaches the driver inside, and the injected error replaces its answer.
+        let injected = self.enter(Op::Wait);
+        let answer = self.inner.wait_marker(device, marker);
+        injected.and(answer)
+    }
+
+    fn synchronize(&self, device: i32, stream: u64) -> Result<()> {
+        self.enter(Op::Synchronize)?;
+        self.inner.synchronize(device, stream)
+    }
+
+    fn queue_fingerprints(&self, device: i32, chunks: &[(DevPtr, usize)]) -> Result<()> {
+        self.enter(Op::Fingerprint)?;
+        self.inner.queue_fingerprints(device, chunks)
+    }
+
+    fn take_fingerprints(&self, device: i32) -> Result<Vec<Fingerprint>> {
+        self.inner.take_fingerprints(device)
+    }
+
+    unsafe fn host_register(&self, ptr: HostPtr, size: usize) -> Result<()> {
+        self.enter(Op::HostRegister)?;
+        // SAFETY: forwarded under the caller's contract of this unsafe fn.
+        unsafe { self.inner.host_register(ptr, size) }
+    }
+
+    unsafe fn host_unregister(&self, ptr: HostPtr) -> Result<()> {
+        self.enter(Op::HostUnregister)?;
+        // SAFETY: forwarded under the caller's contract of this unsafe fn.
+        unsafe { self.inner.host_unregister(ptr) }
+    }
+
+    fn host_alloc(&self, size: usize) -> Result<HostPtr> {
+        self.enter(Op::HostAlloc)?;
+        self.inner.host_alloc(size)
+    }
+
+    unsafe fn host_free(&self, ptr: HostPtr) -> Result<()> {
+        // SAFETY: forwarded under the caller's contract of this unsafe fn.
+        unsafe { self.inner.host_free(ptr) }
+    }
+
+    fn thread_spawn(&self) -> Result<()> {
+        self.enter(Op::ThreadSpawn)?;
+        self.inner.thread_spawn()
+    }
+
+    fn host_available(&self) -> Option<usize> {
+        self.inner.host_available()
+    }
+}
