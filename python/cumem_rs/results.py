@@ -82,6 +82,9 @@ class Stats(TypedDict):
     pending_releases: int
     wake_groups: int
     unreturned_bytes: int
+    #: Device memory the allocator took for itself (its kernels and their buffers): taken when a device is first
+    #: used, before its first allocation, never inside a sleep (0 on the simulated device).
+    own_device_bytes: int
     last_sleep: Optional[Report]
     last_wake: Optional[Report]
 

@@ -21,8 +21,10 @@ struct DeviceState {
     ctx: sys::CUcontext,
     /// Non-blocking stream that carries sleep/wake copies.
     copy_stream: sys::CUstream,
-    /// The fingerprint kernel, loaded on first use.
+    /// The fingerprint kernel, loaded (with its device buffer) at set-up.
     fingerprint: FingerprintKernel,
+    /// Device memory set-up took for the allocator itself (the kernel's module and buffer), measured.
+    own_bytes: usize,
 }
 
 // SAFETY: CUDA contexts and streams are process-wide handles, valid from any thread.
@@ -182,8 +184,10 @@ fn set_up(ordinal: sys::CUdevice) -> Result<DeviceState> {
             sys::cuDevicePrimaryCtxRetain(&mut ctx, ordinal),
         )?
     };
-    // Create the stream in the device's context; the guard puts the caller's context back afterwards.
-    let stream = CtxGuard::switch_to(ctx).and_then(|_current| {
+    // Create the stream in the device's context, then take the allocator's own device memory (the fingerprint
+    // kernel's module and buffer) now, before the first allocation is handed out, never inside a sleep; the guard
+    // puts the caller's context back afterwards.
+    let made = CtxGuard::switch_to(ctx).and_then(|_current| {
         let mut stream = std::ptr::null_mut();
         // SAFETY: valid out-pointer; the device's context is current.
         unsafe {
@@ -195,13 +199,20 @@ fn set_up(ordinal: sys::CUdevice) -> Result<DeviceState> {
                 ),
             )?
         };
-        Ok(stream)
+        let before = free_memory();
+        let fingerprint = FingerprintKernel::prepare(stream);
+        // What free memory dropped by (other threads' allocations in between would count too).
+        let own_bytes = before
+            .zip(free_memory())
+            .map_or(0, |(b, a)| b.saturating_sub(a));
+        Ok((stream, fingerprint, own_bytes))
     });
-    match stream {
-        Ok(copy_stream) => Ok(DeviceState {
+    match made {
+        Ok((copy_stream, fingerprint, own_bytes)) => Ok(DeviceState {
             ctx,
             copy_stream,
-            fingerprint: FingerprintKernel::new(),
+            fingerprint,
+            own_bytes,
         }),
         Err(e) => {
             // SAFETY: balances the retain above; this context is not used by us afterwards.
@@ -209,6 +220,14 @@ fn set_up(ordinal: sys::CUdevice) -> Result<DeviceState> {
             Err(e)
         }
     }
+}
+
+/// Free device memory of the current context's device, if the driver answers.
+fn free_memory() -> Option<usize> {
+    let (mut free, mut total) = (0usize, 0usize);
+    // SAFETY: valid out-pointers; a context is current.
+    let r = unsafe { sys::cuMemGetInfo_v2(&mut free, &mut total) };
+    (r == sys::CUresult::CUDA_SUCCESS).then_some(free)
 }
 
 fn current_context() -> Result<sys::CUcontext> {
@@ -441,6 +460,12 @@ impl Driver for CudaDriver {
     fn queue_fingerprints(&self, device: i32, chunks: &[(DevPtr, usize)]) -> Result<()> {
         let (st, _ctx) = self.enter(device)?;
         st.fingerprint.queue(st.copy_stream, chunks)
+    }
+
+    fn own_device_bytes(&self, device: i32) -> usize {
+        (self.device(device).ok())
+            .and_then(|d| d.state.get())
+            .map_or(0, |st| st.own_bytes)
     }
 
     fn take_fingerprints(&self, device: i32) -> Result<Vec<Fingerprint>> {

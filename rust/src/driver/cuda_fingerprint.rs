@@ -3,8 +3,13 @@
 //! per device on first use with `cuModuleLoadData`, launched on the device's copy stream.
 //!
 //! A batch is: chunk table host -> device, one launch (a block per chunk), fingerprints device -> host, all
-//! queued on the copy stream behind the copies, through one pinned staging buffer and one device buffer per
-//! device that grow as needed and are kept for the next batch.
+//! queued on the copy stream behind the copies, through one pinned host staging buffer per device (grown as
+//! needed) and one device buffer of a fixed size; a batch larger than the device buffer goes through it in
+//! pieces, in stream order.
+//!
+//! Device memory is the allocator's own and is taken once, when the device is set up (before its first
+//! allocation is handed out): the module and the device buffer (`prepare`). Taken lazily at the first sleep, it
+//! made that sleep give back less than it unmapped.
 
 use std::ffi::c_void;
 
@@ -22,6 +27,9 @@ const KERNEL: &std::ffi::CStr = c"cumem_fingerprint";
 const THREADS: u32 = 256;
 /// Table entry and result are 16 bytes each per chunk.
 const BYTES_PER_CHUNK: usize = 32;
+/// Chunks the device buffer holds: 2 MiB of device memory (one allocation granule), 128 GiB of 2 MiB chunks
+/// per launch.
+const DEVICE_CHUNKS: usize = 65536;
 
 /// Load a NUL-terminated PTX image into the current context and look up `name` in it. The module stays loaded
 /// for the life of the process (as the device's primary context does).
@@ -49,10 +57,11 @@ pub(super) struct FingerprintKernel {
 }
 
 struct Inner {
-    function: Option<sys::CUfunction>,
-    /// Chunks the staging buffers hold.
+    /// The kernel and the device buffer (DEVICE_CHUNKS table entries, then as many results), or why they could
+    /// not be had at set-up (every batch then fails with that error, and the engine copies everything).
+    prepared: std::result::Result<(sys::CUfunction, sys::CUdeviceptr), Error>,
+    /// Chunks the host staging buffer holds.
     capacity: usize,
-    device_buf: sys::CUdeviceptr,
     host_buf: *mut u8,
     /// Chunks of the batch queued and not taken yet.
     pending: Option<usize>,
@@ -62,12 +71,33 @@ struct Inner {
 unsafe impl Send for Inner {}
 
 impl FingerprintKernel {
-    pub(super) fn new() -> Self {
+    /// Load the module, take the device buffer and run the kernel once on `stream` (what a first launch takes
+    /// lazily, such as its stack, is taken now too), in the device's context (current). A failure is kept, not
+    /// returned: the device works without fingerprints.
+    pub(super) fn prepare(stream: sys::CUstream) -> Self {
+        let prepared = load_function(PTX, KERNEL).and_then(|function| {
+            let mut dev = 0;
+            // SAFETY: valid out-pointer; the device's context is current.
+            unsafe {
+                check(
+                    "cuMemAlloc",
+                    sys::cuMemAlloc_v2(&mut dev, DEVICE_CHUNKS * BYTES_PER_CHUNK),
+                )?
+            };
+            if let Err(e) = warm_up(function, dev, stream) {
+                // SAFETY: our own allocation, nothing in flight on it (warm_up synchronized or never queued).
+                unsafe { sys::cuMemFree_v2(dev) };
+                return Err(e);
+            }
+            Ok((function, dev))
+        });
+        if let Err(e) = &prepared {
+            log::warn!("fingerprint kernel unavailable on this device: {e}");
+        }
         FingerprintKernel {
             inner: Mutex::new(Inner {
-                function: None,
+                prepared,
                 capacity: 0,
-                device_buf: 0,
                 host_buf: std::ptr::null_mut(),
                 pending: None,
             }),
@@ -99,7 +129,7 @@ impl FingerprintKernel {
                 "chunk {a:#x}+{l} not in whole 16-byte words"
             )));
         }
-        let function = st.function()?;
+        let (function, device_buf) = st.prepared.clone()?;
         st.reserve(n)?;
         // SAFETY: host_buf holds at least 32*n bytes (reserve); no earlier batch still reads it (pending is
         // None: the previous batch was taken after its stream passed it, or its failure synchronized the stream).
@@ -110,48 +140,62 @@ impl FingerprintKernel {
                 table.add(2 * i + 1).write(len as u64);
             }
         }
-        let (dev_table, dev_out) = (st.device_buf, st.device_buf + (16 * n) as u64);
-        // SAFETY: the buffers hold 32*n bytes each side; the copies and the launch are ordered on `stream`.
-        let queued = unsafe {
-            check(
-                op,
-                sys::cuMemcpyHtoDAsync_v2(dev_table, st.host_buf as *const c_void, 16 * n, stream),
-            )
-            .and_then(|()| {
-                let (mut t, mut o) = (dev_table, dev_out);
-                let mut params = [
-                    &mut t as *mut sys::CUdeviceptr as *mut c_void,
-                    &mut o as *mut sys::CUdeviceptr as *mut c_void,
-                ];
+        let (dev_table, dev_out) = (device_buf, device_buf + (16 * DEVICE_CHUNKS) as u64);
+        let mut queued = Ok(());
+        for first in (0..n).step_by(DEVICE_CHUNKS) {
+            let m = DEVICE_CHUNKS.min(n - first);
+            // SAFETY: the host buffer holds the table and results of all n chunks, the device buffer those of
+            // DEVICE_CHUNKS >= m; the copies and launches are ordered on `stream`, so a piece reuses the device
+            // buffer only after the previous piece's results were copied out of it.
+            queued = unsafe {
                 check(
                     op,
-                    sys::cuLaunchKernel(
-                        function,
-                        n as u32,
-                        1,
-                        1,
-                        THREADS,
-                        1,
-                        1,
-                        0,
-                        stream,
-                        params.as_mut_ptr(),
-                        std::ptr::null_mut(),
-                    ),
-                )
-            })
-            .and_then(|()| {
-                check(
-                    op,
-                    sys::cuMemcpyDtoHAsync_v2(
-                        st.host_buf.add(16 * n) as *mut c_void,
-                        dev_out,
-                        16 * n,
+                    sys::cuMemcpyHtoDAsync_v2(
+                        dev_table,
+                        st.host_buf.add(16 * first) as *const c_void,
+                        16 * m,
                         stream,
                     ),
                 )
-            })
-        };
+                .and_then(|()| {
+                    let (mut t, mut o) = (dev_table, dev_out);
+                    let mut params = [
+                        &mut t as *mut sys::CUdeviceptr as *mut c_void,
+                        &mut o as *mut sys::CUdeviceptr as *mut c_void,
+                    ];
+                    check(
+                        op,
+                        sys::cuLaunchKernel(
+                            function,
+                            m as u32,
+                            1,
+                            1,
+                            THREADS,
+                            1,
+                            1,
+                            0,
+                            stream,
+                            params.as_mut_ptr(),
+                            std::ptr::null_mut(),
+                        ),
+                    )
+                })
+                .and_then(|()| {
+                    check(
+                        op,
+                        sys::cuMemcpyDtoHAsync_v2(
+                            st.host_buf.add(16 * (n + first)) as *mut c_void,
+                            dev_out,
+                            16 * m,
+                            stream,
+                        ),
+                    )
+                })
+            };
+            if queued.is_err() {
+                break;
+            }
+        }
         match queued {
             Ok(()) => {
                 st.pending = Some(n);
@@ -179,40 +223,61 @@ impl FingerprintKernel {
     }
 }
 
-impl Inner {
-    /// The kernel, loading the module on first use. A failure is returned and tried again next time.
-    fn function(&mut self) -> Result<sys::CUfunction> {
-        if let Some(f) = self.function {
-            return Ok(f);
-        }
-        let function = load_function(PTX, KERNEL)?;
-        self.function = Some(function);
-        Ok(function)
+/// One launch over the first table entry's 16 bytes (the results area of `buf` itself), waited for.
+fn warm_up(function: sys::CUfunction, buf: sys::CUdeviceptr, stream: sys::CUstream) -> Result<()> {
+    let (table, out) = (buf, buf + (16 * DEVICE_CHUNKS) as u64);
+    let entry: [u64; 2] = [out, WORD as u64];
+    let (mut t, mut o) = (table, out);
+    let mut params = [
+        &mut t as *mut sys::CUdeviceptr as *mut c_void,
+        &mut o as *mut sys::CUdeviceptr as *mut c_void,
+    ];
+    // SAFETY: the entry is 16 bytes on this stack frame, copied synchronously; the launch reads 16 bytes at `out`
+    // and writes 16 there, both inside `buf`; the stream is synchronized before returning.
+    unsafe {
+        check(
+            "cuMemcpyHtoD",
+            sys::cuMemcpyHtoD_v2(table, entry.as_ptr() as *const c_void, 16),
+        )?;
+        check(
+            "cuLaunchKernel",
+            sys::cuLaunchKernel(
+                function,
+                1,
+                1,
+                1,
+                THREADS,
+                1,
+                1,
+                0,
+                stream,
+                params.as_mut_ptr(),
+                std::ptr::null_mut(),
+            ),
+        )?;
+        check("cuStreamSynchronize", sys::cuStreamSynchronize(stream))
     }
+}
 
-    /// Grow the staging buffers to hold `n` chunks (no batch is in flight when this runs).
+impl Inner {
+    /// Grow the host staging buffer to hold `n` chunks (no batch is in flight when this runs).
     fn reserve(&mut self, n: usize) -> Result<()> {
         if n <= self.capacity {
             return Ok(());
         }
         let want = n.next_power_of_two().max(1024);
-        let bytes = want * BYTES_PER_CHUNK;
-        let mut dev = 0;
         let mut host = std::ptr::null_mut();
-        // SAFETY: valid out-pointers; the old buffers are freed only after the new ones exist, and nothing is in
-        // flight on them (no pending batch).
+        // SAFETY: valid out-pointer; the old buffer is freed only after the new one exists, and nothing is in
+        // flight on it (no pending batch).
         unsafe {
-            check("cuMemAlloc", sys::cuMemAlloc_v2(&mut dev, bytes))?;
-            if let Err(e) = check("cuMemAllocHost", sys::cuMemAllocHost_v2(&mut host, bytes)) {
-                sys::cuMemFree_v2(dev);
-                return Err(e);
-            }
+            check(
+                "cuMemAllocHost",
+                sys::cuMemAllocHost_v2(&mut host, want * BYTES_PER_CHUNK),
+            )?;
             if self.capacity > 0 {
-                sys::cuMemFree_v2(self.device_buf);
                 sys::cuMemFreeHost(self.host_buf as *mut c_void);
             }
         }
-        self.device_buf = dev;
         self.host_buf = host as *mut u8;
         self.capacity = want;
         Ok(())

@@ -229,6 +229,10 @@ impl<D: Driver> Driver for FaultInjector<D> {
         self.inner.take_fingerprints(device)
     }
 
+    fn own_device_bytes(&self, device: i32) -> usize {
+        self.inner.own_device_bytes(device)
+    }
+
     unsafe fn host_register(&self, ptr: HostPtr, size: usize) -> Result<()> {
         self.enter(Op::HostRegister)?;
         // SAFETY: forwarded under the caller's contract of this unsafe fn.

@@ -200,6 +200,12 @@ pub trait Driver: Send + Sync {
     /// batch queued it fails.
     fn take_fingerprints(&self, device: i32) -> Result<Vec<Fingerprint>>;
 
+    /// Device memory on `device` the driver took for the allocator itself (kernels, their buffers), taken when
+    /// the device was first used, before its first allocation; 0 while it was not used yet.
+    fn own_device_bytes(&self, _device: i32) -> usize {
+        0
+    }
+
     /// Page-lock (pin) host memory for fast async copies.
     ///
     /// # Safety

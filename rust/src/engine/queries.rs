@@ -55,6 +55,9 @@ impl Engine {
             pending_releases: inner.pending.len(),
             wake_groups: inner.groups.len(),
             unreturned_bytes: inner.groups.unreturned(),
+            own_device_bytes: (0..self.device_count() as i32)
+                .map(|d| self.driver.own_device_bytes(d))
+                .sum(),
             last_sleep: c.last_sleep.clone(),
             last_wake: c.last_wake.clone(),
         }

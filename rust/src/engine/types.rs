@@ -60,6 +60,9 @@ pub struct Stats {
     /// Bytes of freed allocations whose memory a wake group still holds for its live members (returned when the
     /// last member is freed or the group sleeps).
     pub unreturned_bytes: usize,
+    /// Device memory the driver took for the allocator itself (kernels and their buffers), on every device: taken
+    /// when a device is first used, never inside a sleep.
+    pub own_device_bytes: usize,
     pub last_sleep: Option<Report>,
     pub last_wake: Option<Report>,
 }

@@ -123,6 +123,7 @@ pub(super) fn stats_dict<'py>(py: Python<'py>, s: &Stats) -> PyResult<Bound<'py,
         "pending_releases" => s.pending_releases,
         "wake_groups" => s.wake_groups,
         "unreturned_bytes" => s.unreturned_bytes,
+        "own_device_bytes" => s.own_device_bytes,
         "last_sleep" => optional_report(py, s.last_sleep.as_ref())?,
         "last_wake" => optional_report(py, s.last_wake.as_ref())?,
     }))
