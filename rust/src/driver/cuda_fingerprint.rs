@@ -141,61 +141,24 @@ impl FingerprintKernel {
             }
         }
         let (dev_table, dev_out) = (device_buf, device_buf + (16 * DEVICE_CHUNKS) as u64);
-        let mut queued = Ok(());
-        for first in (0..n).step_by(DEVICE_CHUNKS) {
+        let host = st.host_buf;
+        // The pieces in order: each reuses the device buffer after the previous one's results were copied out
+        // of it (stream order).
+        let queued = (0..n).step_by(DEVICE_CHUNKS).try_for_each(|first| {
             let m = DEVICE_CHUNKS.min(n - first);
-            // SAFETY: the host buffer holds the table and results of all n chunks, the device buffer those of
-            // DEVICE_CHUNKS >= m; the copies and launches are ordered on `stream`, so a piece reuses the device
-            // buffer only after the previous piece's results were copied out of it.
-            queued = unsafe {
+            // SAFETY: the host buffer holds the table and results of all n chunks (reserve), the device buffer
+            // those of DEVICE_CHUNKS >= m; the copies and the launch are ordered on `stream`.
+            unsafe {
+                let table = host.add(16 * first) as *const c_void;
                 check(
                     op,
-                    sys::cuMemcpyHtoDAsync_v2(
-                        dev_table,
-                        st.host_buf.add(16 * first) as *const c_void,
-                        16 * m,
-                        stream,
-                    ),
-                )
-                .and_then(|()| {
-                    let (mut t, mut o) = (dev_table, dev_out);
-                    let mut params = [
-                        &mut t as *mut sys::CUdeviceptr as *mut c_void,
-                        &mut o as *mut sys::CUdeviceptr as *mut c_void,
-                    ];
-                    check(
-                        op,
-                        sys::cuLaunchKernel(
-                            function,
-                            m as u32,
-                            1,
-                            1,
-                            THREADS,
-                            1,
-                            1,
-                            0,
-                            stream,
-                            params.as_mut_ptr(),
-                            std::ptr::null_mut(),
-                        ),
-                    )
-                })
-                .and_then(|()| {
-                    check(
-                        op,
-                        sys::cuMemcpyDtoHAsync_v2(
-                            st.host_buf.add(16 * (n + first)) as *mut c_void,
-                            dev_out,
-                            16 * m,
-                            stream,
-                        ),
-                    )
-                })
-            };
-            if queued.is_err() {
-                break;
+                    sys::cuMemcpyHtoDAsync_v2(dev_table, table, 16 * m, stream),
+                )?;
+                launch(op, function, dev_table, dev_out, m, stream)?;
+                let out = host.add(16 * (n + first)) as *mut c_void;
+                check(op, sys::cuMemcpyDtoHAsync_v2(out, dev_out, 16 * m, stream))
             }
-        }
+        });
         match queued {
             Ok(()) => {
                 st.pending = Some(n);
@@ -223,27 +186,31 @@ impl FingerprintKernel {
     }
 }
 
-/// One launch over the first table entry's 16 bytes (the results area of `buf` itself), waited for.
-fn warm_up(function: sys::CUfunction, buf: sys::CUdeviceptr, stream: sys::CUstream) -> Result<()> {
-    let (table, out) = (buf, buf + (16 * DEVICE_CHUNKS) as u64);
-    let entry: [u64; 2] = [out, WORD as u64];
+/// Launch the kernel over `blocks` table entries at `table`, results to `out`, on `stream`.
+///
+/// # Safety
+/// `table` holds `blocks` entries of device ranges readable by the kernel, `out` room for as many results, until
+/// the launch is done on `stream`; the function's context is current.
+unsafe fn launch(
+    op: &'static str,
+    function: sys::CUfunction,
+    table: sys::CUdeviceptr,
+    out: sys::CUdeviceptr,
+    blocks: usize,
+    stream: sys::CUstream,
+) -> Result<()> {
     let (mut t, mut o) = (table, out);
     let mut params = [
         &mut t as *mut sys::CUdeviceptr as *mut c_void,
         &mut o as *mut sys::CUdeviceptr as *mut c_void,
     ];
-    // SAFETY: the entry is 16 bytes on this stack frame, copied synchronously; the launch reads 16 bytes at `out`
-    // and writes 16 there, both inside `buf`; the stream is synchronized before returning.
+    // SAFETY: the caller's contract; `params` outlives the call (the driver copies the arguments at launch).
     unsafe {
         check(
-            "cuMemcpyHtoD",
-            sys::cuMemcpyHtoD_v2(table, entry.as_ptr() as *const c_void, 16),
-        )?;
-        check(
-            "cuLaunchKernel",
+            op,
             sys::cuLaunchKernel(
                 function,
-                1,
+                blocks as u32,
                 1,
                 1,
                 THREADS,
@@ -254,7 +221,22 @@ fn warm_up(function: sys::CUfunction, buf: sys::CUdeviceptr, stream: sys::CUstre
                 params.as_mut_ptr(),
                 std::ptr::null_mut(),
             ),
+        )
+    }
+}
+
+/// One launch over the first table entry's 16 bytes (the results area of `buf` itself), waited for.
+fn warm_up(function: sys::CUfunction, buf: sys::CUdeviceptr, stream: sys::CUstream) -> Result<()> {
+    let (table, out) = (buf, buf + (16 * DEVICE_CHUNKS) as u64);
+    let entry: [u64; 2] = [out, WORD as u64];
+    // SAFETY: the entry is 16 bytes on this stack frame, copied synchronously; the launch reads 16 bytes at `out`
+    // and writes 16 there, both inside `buf`; the stream is synchronized before returning.
+    unsafe {
+        check(
+            "cuMemcpyHtoD",
+            sys::cuMemcpyHtoD_v2(table, entry.as_ptr() as *const c_void, 16),
         )?;
+        launch("cuLaunchKernel", function, table, out, 1, stream)?;
         check("cuStreamSynchronize", sys::cuStreamSynchronize(stream))
     }
 }
