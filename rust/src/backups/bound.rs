@@ -31,13 +31,10 @@ impl BackupStore {
         if self.within_bound() {
             return;
         }
-        if let Err(e) = self.compact(log) {
-            log.record(
-                "compacting host backups (host memory stays above its bound until a later call)",
-                &e,
-            );
-        }
-        self.give_back_unused(log);
+        self.compact_holes(
+            "compacting host backups (host memory stays above its bound until a later call)",
+            log,
+        );
         if !self.within_bound() {
             if let Err(e) = self.host.trim() {
                 log.record("returning cached host backup memory", &e);
@@ -54,11 +51,17 @@ impl BackupStore {
         if self.held().saturating_add(wanted) <= self.allowed_with_spare(len) {
             return;
         }
+        self.compact_holes(
+            "compacting host backups before a reservation (host memory may stay above its bound)",
+            log,
+        );
+    }
+
+    /// Compact (a failure is recorded under `context`: the backups stay where they are), then give back the
+    /// arenas left unused.
+    fn compact_holes(&mut self, context: &str, log: &mut ErrorLog) {
         if let Err(e) = self.compact(log) {
-            log.record(
-                "compacting host backups before a reservation (host memory may stay above its bound)",
-                &e,
-            );
+            log.record(context, &e);
         }
         self.give_back_unused(log);
     }
