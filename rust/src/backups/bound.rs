@@ -17,6 +17,7 @@ use super::{Backup, BackupStore};
 use crate::driver::DevPtr;
 use crate::error::Result;
 use crate::error_log::ErrorLog;
+use crate::host::HostBuffer;
 
 impl BackupStore {
     /// Bring the host memory held back within its bound (see the module comment). Failures are recorded: the
@@ -98,9 +99,18 @@ impl BackupStore {
         if total == 0 {
             return Ok(());
         }
-        let acquired = self.host.acquire(total);
-        self.record_host_fallbacks(log);
-        let mut buf = acquired?;
+        // A new buffer of exactly their size: a cached spare taken for it would become an arena with a hole of
+        // its own, and the next reservation would need a spare beside it.
+        let (mut buf, fallback) = HostBuffer::acquire(&self.driver, total)?;
+        if let Some(e) = fallback {
+            log.record(
+                "pinning host backup memory (served by the fallback allocation)",
+                &e,
+            );
+        }
+        for e in std::mem::take(&mut buf.notes) {
+            log.record(super::THREAD_REFUSED, &e);
+        }
         let mut offset = 0;
         let mut placed = Vec::with_capacity(moves.len());
         for (addr, b, retained) in moves {

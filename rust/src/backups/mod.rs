@@ -279,9 +279,10 @@ impl BackupStore {
 
     // ----- host memory -------------------------------------------------------------------------------------
 
-    /// Host bytes held: arenas in use plus cached ones.
+    /// Host bytes held: arenas in use, cached ones, and the one the pin-ahead worker is pinning (it is cached
+    /// when the worker is stopped, so the bound counts it from the start).
     pub fn held(&self) -> usize {
-        self.arena_bytes() + self.host.cached_bytes()
+        self.arena_bytes() + self.host.cached_bytes() + self.pin_ahead_bytes()
     }
 
     /// Host bytes of the arenas backups point into.

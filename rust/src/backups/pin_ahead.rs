@@ -252,6 +252,11 @@ impl BackupStore {
             })
     }
 
+    /// Bytes of the buffer the worker holds (pinning, or done and not collected yet).
+    pub(super) fn pin_ahead_bytes(&self) -> usize {
+        self.pin_ahead.as_ref().map_or(0, |w| w.len)
+    }
+
     pub fn pin_chunk(&self) -> usize {
         self.pin_chunk
     }
