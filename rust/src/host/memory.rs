@@ -12,7 +12,7 @@ use std::sync::Arc;
 use rustix::mm::{madvise, mmap_anonymous, munmap, Advice, MapFlags, ProtFlags};
 
 use super::threads::try_spawn;
-use super::{HostBuffer, Origin};
+use super::{HostBuffer, Origin, PinnedPieces};
 use crate::driver::{Driver, HostPtr};
 use crate::error::{Error, Result};
 
@@ -48,7 +48,9 @@ impl HostBuffer {
         Ok(HostBuffer {
             ptr,
             len,
-            origin: Origin::Mapped { pinned: Vec::new() },
+            origin: Origin::Mapped {
+                pinned: PinnedPieces::default(),
+            },
             live: true,
             driver: driver.clone(),
             notes: Vec::new(),
@@ -96,11 +98,11 @@ impl HostBuffer {
         }
         match &mut self.origin {
             Origin::Mapped { pinned } => {
-                while let Some(&(p, _)) = pinned.last() {
+                while let Some((offset, _)) = pinned.last() {
                     // SAFETY: a piece we registered; no copy is in flight (the engine waits for every copy
                     // before a buffer goes back).
-                    unsafe { self.driver.host_unregister(HostPtr(p))? };
-                    pinned.pop();
+                    unsafe { self.driver.host_unregister(HostPtr(self.ptr + offset))? };
+                    pinned.remove(offset);
                 }
                 // SAFETY: our own mapping, no longer registered; no copy is in flight, since the engine waits for
                 // every copy before a buffer goes back.

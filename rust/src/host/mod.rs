@@ -5,6 +5,7 @@
 //!   first touch of its pages, and giving it all back (unpin, unmap).
 //! - `pinning`: registering a buffer with the driver, whole or cell by cell on a worker thread while a cold sleep
 //!   copies into the cells already pinned.
+//! - `pieces`: the index of registered pieces that pinning fills and every copy consults.
 //! - `copies`: queuing device copies into and out of a buffer (one per pinned piece it crosses), and host reads.
 //! - `threads`: starting helper threads without panicking when the OS refuses one.
 //! - `pool`: `HostPool`, the buffer kept for the next sleep (policy `keep`) so that steady sleeps pin nothing.
@@ -13,6 +14,7 @@
 
 mod copies;
 mod memory;
+mod pieces;
 mod pinning;
 mod pool;
 mod threads;
@@ -24,9 +26,11 @@ use crate::error::Error;
 
 pub use pool::HostPool;
 
+use pieces::PinnedPieces;
+
 enum Origin {
-    /// Our own mmap; `pinned` lists the (address, length) pieces registered with the driver so far.
-    Mapped { pinned: Vec<(usize, usize)> },
+    /// Our own mmap; `pinned` holds the pieces registered with the driver so far (offsets in the buffer).
+    Mapped { pinned: PinnedPieces },
     /// Pinned by the driver itself (fallback).
     DriverAlloc,
 }
@@ -54,25 +58,20 @@ impl HostBuffer {
     }
 
     /// True when byte `offset` lies in a pinned piece. Pieces are the whole buffer or cells of one fixed grid,
-    /// so a grid cell is either pinned whole or not at all.
+    /// so a grid cell is either pinned whole or not at all. O(log pieces).
     pub fn is_pinned_at(&self, offset: usize) -> bool {
-        let addr = self.ptr + offset;
         match &self.origin {
-            Origin::Mapped { pinned } => pinned.iter().any(|&(p, l)| p <= addr && addr < p + l),
+            Origin::Mapped { pinned } => pinned.containing(offset).is_some(),
             Origin::DriverAlloc => true,
         }
     }
 
     /// Bytes of [0, len) not in a pinned piece: what pinning the buffer up to `len` still takes.
     pub fn unpinned_below(&self, len: usize) -> usize {
-        let Origin::Mapped { pinned } = &self.origin else {
-            return 0;
-        };
-        let pinned: usize = (pinned.iter())
-            .map(|&(p, l)| (p - self.ptr).min(len)..(p - self.ptr + l).min(len))
-            .map(|r| r.len())
-            .sum();
-        len.saturating_sub(pinned)
+        match &self.origin {
+            Origin::Mapped { pinned } => len.saturating_sub(pinned.bytes_below(len)),
+            Origin::DriverAlloc => 0,
+        }
     }
 
     /// Address of byte `offset`, for copies of at most `len - offset` bytes.
@@ -91,5 +90,14 @@ impl HostBuffer {
             "[{offset}, +{len}) outside host buffer of {} bytes",
             self.len
         );
+    }
+
+    /// Entries of the pinned-piece index looked at so far, so that tests can bound the lookups per copy.
+    #[cfg(test)]
+    pub(crate) fn pieces_visited(&self) -> usize {
+        match &self.origin {
+            Origin::Mapped { pinned } => pinned.visited(),
+            Origin::DriverAlloc => 0,
+        }
     }
 }

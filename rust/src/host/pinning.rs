@@ -1,13 +1,17 @@
 //! Pinning a host buffer: touching its pages and registering them with the driver, whole or cell by cell.
 //!
 //! A cold sleep pins its arena cell by cell on a worker thread and copies into each cell as soon as it is pinned,
-//! so the copies of the first cells run while the next ones are pinned. Every registered piece is recorded in the
-//! buffer, which the copies consult.
+//! so the copies of the first cells run while the next ones are pinned. Every registered piece goes into the
+//! buffer's `PinnedPieces` index, which the copies consult; a piece that would overlap one already registered is
+//! refused before the driver is asked, as CUDA refuses it (CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED), so the index
+//! and the driver's registrations stay the same set.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 use super::memory::touch_pages;
 use super::threads::try_spawn;
 use super::{HostBuffer, Origin};
-use crate::driver::HostPtr;
+use crate::driver::{HostPtr, Op};
 use crate::error::{Error, Result};
 
 /// What pinning one cell gave: the registration's result and a worker thread that could not start, if any.
@@ -19,6 +23,18 @@ type PinResult = (Result<()>, Option<Error>);
 /// the parallelism goes into touching.
 const MAX_PIN_WORKERS: usize = 1;
 
+/// The error CUDA gives for registering memory that overlaps a registration.
+fn already_pinned(offset: usize, len: usize) -> Error {
+    Error::driver(
+        Op::HostRegister.name(),
+        712,
+        format!(
+            "CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED (bytes {offset}..{} overlap a pinned piece)",
+            offset + len
+        ),
+    )
+}
+
 impl HostBuffer {
     /// Touch (from several threads) and register bytes [offset, offset+len). On failure the piece stays
     /// pageable: copies into it are still correct, only slower.
@@ -27,12 +43,15 @@ impl HostBuffer {
         let Origin::Mapped { pinned } = &mut self.origin else {
             return Ok(());
         };
+        if pinned.overlaps(offset, len) {
+            return Err(already_pinned(offset, len));
+        }
         self.notes
             .extend(touch_pages(&*self.driver, self.ptr + offset, len));
         // SAFETY: [ptr+offset, +len) lies inside our live mapping (asserted above), which stays mapped until
         // `unpin` unregisters it.
         unsafe { self.driver.host_register(HostPtr(self.ptr + offset), len)? };
-        pinned.push((self.ptr + offset, len));
+        pinned.insert(offset, len);
         Ok(())
     }
 
@@ -45,30 +64,40 @@ impl HostBuffer {
         cells: &[(usize, usize)],
         mut on_ready: impl FnMut(&HostBuffer, usize, Result<()>),
     ) {
-        if !matches!(self.origin, Origin::Mapped { .. }) {
+        let Origin::Mapped { pinned } = &self.origin else {
             for i in 0..cells.len() {
                 on_ready(self, i, Ok(()));
             }
             return;
+        };
+        for &(off, len) in cells {
+            assert!(off + len <= self.len, "pin outside the buffer");
         }
+        // Decided here, before any worker starts, so that no worker registers over a piece already pinned.
+        let overlapping: Vec<bool> = (cells.iter())
+            .map(|&(off, len)| pinned.overlaps(off, len))
+            .collect();
         let workers = std::thread::available_parallelism()
             .map_or(1, |n| n.get())
             .min(MAX_PIN_WORKERS)
             .min(cells.len());
-        let next = std::sync::atomic::AtomicUsize::new(0);
+        let next = AtomicUsize::new(0);
         let (tx, rx) = std::sync::mpsc::channel::<(usize, PinResult)>();
         let base = self.ptr;
         let driver = self.driver.clone();
         let pin_one = |i: usize| -> PinResult {
             let (off, len) = cells[i];
+            if overlapping[i] {
+                return (Err(already_pinned(off, len)), None);
+            }
             let notes = touch_pages(&*driver, base + off, len);
-            // SAFETY: cells lie inside this buffer's live mapping, which stays mapped until `unpin` (which needs
-            // `&mut self`, held by this call until every worker has finished).
+            // SAFETY: cells lie inside this buffer's live mapping (asserted above), which stays mapped until `unpin`
+            // (which needs `&mut self`, held by this call until every worker has finished).
             let r = unsafe { driver.host_register(HostPtr(base + off), len) };
             (r, notes)
         };
         let take = || {
-            let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            let i = next.fetch_add(1, Ordering::Relaxed);
             (i < cells.len()).then_some(i)
         };
         std::thread::scope(|s| {
@@ -89,11 +118,7 @@ impl HostBuffer {
             drop(tx);
             let mut finish = |this: &mut HostBuffer, i: usize, (r, notes): PinResult| {
                 this.notes.extend(notes);
-                if r.is_ok() {
-                    if let Origin::Mapped { pinned } = &mut this.origin {
-                        pinned.push((base + cells[i].0, cells[i].1));
-                    }
-                }
+                let r = r.and_then(|()| this.record_piece(cells[i]));
                 on_ready(this, i, r);
             };
             for (i, r) in rx {
@@ -104,5 +129,21 @@ impl HostBuffer {
                 finish(self, i, pin_one(i));
             }
         });
+    }
+
+    /// Enter a piece a worker registered into the index. Two cells of one call that overlap each other are not
+    /// caught before the workers start; the simulated driver accepts the second (CUDA refuses it), so it is
+    /// unregistered again here and refused, keeping the index and the registrations the same set.
+    fn record_piece(&mut self, (offset, len): (usize, usize)) -> Result<()> {
+        let Origin::Mapped { pinned } = &mut self.origin else {
+            return Ok(());
+        };
+        if pinned.insert(offset, len) {
+            return Ok(());
+        }
+        // SAFETY: the registration a worker just made at this address; no copy has been queued into it yet (copies
+        // are queued in `on_ready`, after this).
+        unsafe { self.driver.host_unregister(HostPtr(self.ptr + offset))? };
+        Err(already_pinned(offset, len))
     }
 }
