@@ -131,10 +131,16 @@ impl Drop for HostBuffer {
 pub(super) fn touch_pages(driver: &dyn Driver, ptr: usize, len: usize) -> Option<Error> {
     let page = rustix::param::page_size();
     let touch = |start: usize, end: usize| touch_range(start, end - start);
+    // Small ranges first: `available_parallelism` reads cgroup files on every call, which a cold sleep in page-sized
+    // cells would otherwise pay once per cell.
+    if len < PARALLEL_TOUCH_MIN {
+        touch(ptr, ptr + len);
+        return None;
+    }
     let threads = std::thread::available_parallelism()
         .map_or(1, |n| n.get())
         .min(MAX_TOUCH_THREADS);
-    if len < PARALLEL_TOUCH_MIN || threads < 2 {
+    if threads < 2 {
         touch(ptr, ptr + len);
         return None;
     }
