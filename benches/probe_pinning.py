@@ -4,7 +4,7 @@ torch `copy_` (no cumem_rs involved) from two kinds of page-locked host memory i
 GPU alone, then all GPUs at once:
 - "driver": `torch.empty(pin_memory=True)` (cudaHostAlloc), what the benchmarks call the limit;
 - "registered": anonymous mmap + MADV_HUGEPAGE + first touch + cudaHostRegister, the way cumem_rs pins its
-  host backups (see rust/src/host.rs).
+  host backups (see rust/src/host/).
 Also prints how much of the registered memory the kernel backed with huge pages (AnonHugePages).
 
 Run on a GPU: python benches/probe_pinning.py [GiB per device]

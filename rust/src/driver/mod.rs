@@ -6,12 +6,12 @@
 //! `sim` -> `fault_injection`, and every one of them -> this module.
 //!
 //! Addresses are `u64` device virtual addresses. Physical memory is an opaque `PhysHandle`. Host memory given
-//! to the copy functions is described by `HostPtr`s that point into buffers owned by `host.rs`; the engine keeps
+//! to the copy functions is described by `HostPtr`s that point into buffers owned by `host/`; the engine keeps
 //! those buffers alive until the matching `wait` returned.
 //!
 //! The methods that read or write host memory through a `HostPtr` (copies, pinning, freeing pinned memory) are
 //! `unsafe fn`: a `HostPtr` is only an address, and nothing in the type proves that the memory behind it lives
-//! long enough. Their callers are `host.rs` (arenas) and the two slice copies at the end of this file, which
+//! long enough. Their callers are `host/` (arenas) and the two slice copies at the end of this file, which
 //! wait for their copy before the borrowed slice goes away. So safe code cannot make the driver write through a
 //! made-up address; this does not compile:
 //!
@@ -48,7 +48,7 @@ pub type DevPtr = u64;
 pub struct PhysHandle(pub u64);
 
 /// Raw host address handed to copies and pinning. Only an address: the driver methods that use one are `unsafe`,
-/// and their callers (`host.rs`, the slice copies below) answer for the memory behind it.
+/// and their callers (`host/`, the slice copies below) answer for the memory behind it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct HostPtr(pub usize);
 

@@ -1,0 +1,128 @@
+//! `HostPool`: the host buffer kept between sleeps, so that a steady sleep pins nothing.
+//!
+//! Policy `keep` (the default) caches the largest buffer a wake gave back; without it buffers go back to the OS.
+//! A buffer the driver refuses to unpin stays cached for a later trim instead of leaking its registration.
+
+use std::sync::Arc;
+
+use super::HostBuffer;
+use crate::driver::Driver;
+use crate::error::{Error, Result};
+
+/// The host buffer cached for the next sleep: one at most (the largest offered), since a second one would only
+/// hold RAM twice; more only while the driver refuses to unpin one (kept for a later trim rather than leaked).
+pub struct HostPool {
+    driver: Arc<dyn Driver>,
+    cached: Vec<HostBuffer>,
+    /// Registration failures that the fallback absorbed, for the engine to record.
+    pub fallbacks: Vec<Error>,
+    /// Helper threads that could not start while pinning (the work ran on the calling thread).
+    pub notes: Vec<Error>,
+    /// Keep buffers after wake (fast next sleep) or give them back to the OS (low host RAM).
+    pub keep: bool,
+}
+
+impl HostPool {
+    pub fn new(driver: Arc<dyn Driver>) -> Self {
+        HostPool {
+            driver,
+            cached: Vec::new(),
+            fallbacks: Vec::new(),
+            notes: Vec::new(),
+            keep: true,
+        }
+    }
+
+    /// A buffer of at least `len` bytes: the smallest cached one that fits, else a new one of exactly `len`
+    /// bytes (cached buffers too small for it are returned to the OS first, so RAM is not held twice).
+    pub fn acquire(&mut self, len: usize) -> Result<HostBuffer> {
+        if let Some(buf) = self.take_cached(len) {
+            return Ok(buf);
+        }
+        self.trim()?;
+        let (mut buf, fallback) = HostBuffer::acquire(&self.driver, len)?;
+        self.fallbacks.extend(fallback);
+        self.notes.append(&mut buf.notes);
+        Ok(buf)
+    }
+
+    /// The smallest cached buffer of at least `len` bytes, if any.
+    pub fn take_cached(&mut self, len: usize) -> Option<HostBuffer> {
+        let best = self
+            .cached
+            .iter()
+            .enumerate()
+            .filter(|(_, b)| b.len() >= len)
+            .min_by_key(|(_, b)| b.len());
+        best.map(|(i, _)| i).map(|i| self.cached.swap_remove(i))
+    }
+
+    /// Take back a buffer no allocation uses any more: cached if it is the largest one offered (policy `keep`),
+    /// else returned to the OS.
+    pub fn give_back(&mut self, buf: HostBuffer) -> Result<()> {
+        if !self.keep {
+            return self.release_or_keep(buf);
+        }
+        self.cache(buf)
+    }
+
+    /// Cache `buf` for the next sleep if it is the largest one offered, else return it to the OS (whatever the
+    /// `keep` policy: a buffer reserved or pinned ahead for the next sleep).
+    pub fn cache(&mut self, buf: HostBuffer) -> Result<()> {
+        let largest = self.cached.iter().map(HostBuffer::len).max().unwrap_or(0);
+        if buf.len() <= largest {
+            return self.release_or_keep(buf);
+        }
+        let smaller = std::mem::replace(&mut self.cached, vec![buf]);
+        let mut first_err = Ok(());
+        for old in smaller {
+            if let Err(e) = self.release_or_keep(old) {
+                first_err = first_err.and(Err(e));
+            }
+        }
+        first_err
+    }
+
+    fn release_or_keep(&mut self, buf: HostBuffer) -> Result<()> {
+        buf.release().map_err(|(buf, e)| {
+            // Keep it for the next trim rather than leak the registration.
+            self.cached.push(*buf);
+            e
+        })
+    }
+
+    /// Make sure at least `len` bytes are cached (reserve ahead of the first sleep).
+    pub fn reserve(&mut self, len: usize) -> Result<()> {
+        if self.cached.iter().any(|b| b.len() >= len) {
+            return Ok(());
+        }
+        // `acquire` returned the cached buffers to the OS first (none was large enough), so this is the only one.
+        let buf = self.acquire(len)?;
+        self.cached.push(buf);
+        Ok(())
+    }
+
+    pub fn cached_bytes(&self) -> usize {
+        self.cached.iter().map(HostBuffer::len).sum()
+    }
+
+    /// Return every cached buffer to the OS; the first error is reported after all were tried, and buffers the
+    /// driver refused stay cached for a later trim.
+    pub fn trim(&mut self) -> Result<usize> {
+        let mut freed = 0;
+        let mut first_err = None;
+        let mut kept = Vec::new();
+        for buf in self.cached.drain(..) {
+            let len = buf.len();
+            match buf.release() {
+                Ok(()) => freed += len,
+                Err((buf, e)) => {
+                    kept.push(*buf);
+                    first_err.get_or_insert(e);
+                }
+            }
+        }
+        self.cached = kept;
+        first_err.map_or(Ok(freed), Err)
+    }
+}
