@@ -62,3 +62,24 @@ def test_a_free_while_pinning_ahead_counts_the_workers_buffer():
         f"(arenas {a.stats()['host_backup_bytes']}, cached {a.stats()['host_cached_bytes']})"
     )
     a.close()
+
+
+def test_compaction_keeps_neighbours_back_to_back_so_a_wake_restores_each_run_in_one_copy():
+    """Compaction moves backups in address order (it once followed a hash map's order, found by review): the wake's
+    restore then merges each run of neighbours into one copy."""
+    a = Allocator.simulated(devices=1, capacity=64 << 20, granularity=G)
+    a.set_retain_backups(False)  # woken backups are dropped at once, leaving holes
+    for t in "abcd":
+        a.push_tag(t)
+        for _ in range(8):
+            a.malloc(G)
+        a.pop_tag()
+    a.sleep(list("abcd"))
+    a.wake_up(list("bcd"))
+    a.sleep(list("bcd"))
+    a.wake_up(list("cd"))  # passes the bound: the backups of "a" and "b" are compacted into one arena
+    before = a.driver_counts()["calls"]["copy_h2d"]
+    a.wake_up(None)  # "a" and "b": two runs of 8 neighbours each (one wake group per tag)
+    copies = a.driver_counts()["calls"]["copy_h2d"] - before
+    assert copies == 2, f"{copies} restore copies for 2 runs of neighbours backed up back to back"
+    a.close()

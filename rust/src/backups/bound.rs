@@ -90,6 +90,9 @@ impl BackupStore {
             .map(|(a, b)| (*a, b.clone(), false))
             .chain(self.retention.backups().map(|(a, b)| (a, b.clone(), true)))
             .collect();
+        // In address order (asleep ones first): neighbours on the device then lie back to back in the new arena,
+        // so a wake restores each run of them in one copy (`queue_restore`).
+        moves.sort_by_key(|(addr, _, retained)| (*retained, *addr));
         let mut used: HashMap<usize, usize> = HashMap::new(); // arena address -> bytes of backups in it
         for (_, b, _) in &moves {
             *used.entry(Arc::as_ptr(&b.arena) as usize).or_default() += b.len;

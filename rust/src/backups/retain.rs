@@ -19,7 +19,7 @@ use std::collections::HashMap;
 use std::time::Instant;
 
 use super::{Backup, BackupStore};
-use crate::driver::{DevPtr, Driver};
+use crate::driver::{DevPtr, Driver, FINGERPRINTS_UNAVAILABLE};
 use crate::error::{Error, Result};
 use crate::error_log::ErrorLog;
 use crate::fingerprint::{self, Fingerprint};
@@ -193,7 +193,7 @@ impl BackupStore {
 
     /// A fingerprint failure: recorded; a kernel that does not load turns retention off for good (one warning).
     fn fingerprints_failed(&mut self, e: &Error, log: &mut ErrorLog) {
-        let unloadable = matches!(e, Error::Driver { op, .. } if op.starts_with("cuModule"));
+        let unloadable = matches!(e, Error::Driver { op, .. } if *op == FINGERPRINTS_UNAVAILABLE);
         if unloadable {
             // Retained backups already in use stay valid: their chunks now count as changed, and the next wake
             // binds none.

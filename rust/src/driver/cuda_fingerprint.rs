@@ -17,7 +17,7 @@ use cudarc::driver::sys;
 use parking_lot::Mutex;
 
 use super::cuda_check::check;
-use super::{DevPtr, Op};
+use super::{DevPtr, Op, FINGERPRINTS_UNAVAILABLE};
 use crate::error::{cuda_code, Error, Result};
 use crate::fingerprint::{Fingerprint, WORD};
 
@@ -91,9 +91,21 @@ impl FingerprintKernel {
             }
             Ok((function, dev))
         });
-        if let Err(e) = &prepared {
+        // Whatever failed, every batch on this device fails the same way from now on, under one op the engine
+        // reads as "unavailable for good" (a first launch refused is as final as a module that does not load).
+        let prepared = prepared.map_err(|e| {
             log::warn!("fingerprint kernel unavailable on this device: {e}");
-        }
+            let code = match e {
+                Error::Driver { code, .. } => code,
+                Error::OutOfMemory { .. } => cuda_code::OUT_OF_MEMORY,
+                _ => cuda_code::UNKNOWN,
+            };
+            Error::Driver {
+                op: FINGERPRINTS_UNAVAILABLE,
+                code,
+                name: e.to_string(),
+            }
+        });
         FingerprintKernel {
             inner: Mutex::new(Inner {
                 prepared,

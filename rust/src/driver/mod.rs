@@ -41,6 +41,10 @@ pub mod sim;
 use crate::error::Result;
 use crate::fingerprint::Fingerprint;
 
+/// The `op` of the error every fingerprint batch fails with where the kernel could not be set up on a device
+/// (module, buffer or first launch refused): the engine then turns retained backups off for good.
+pub const FINGERPRINTS_UNAVAILABLE: &str = "fingerprint kernel set-up";
+
 pub type DevPtr = u64;
 
 /// Opaque physical allocation handle (CUmemGenericAllocationHandle on CUDA).

@@ -88,7 +88,15 @@ impl Engine {
         let (jobs, total) = self.sleep_jobs(inner, &backed);
         let arena = match total {
             0 => None,
-            _ => Some(inner.backups.arena_for_sleep(total, &mut inner.log)?),
+            _ => match inner.backups.arena_for_sleep(total, &mut inner.log) {
+                Ok(arena) => Some(arena),
+                Err(e) => {
+                    // Refused with nothing released; the retained backups dropped above may have left arenas
+                    // unused.
+                    inner.backups.collect_unused(&mut inner.log);
+                    return Err(e);
+                }
+            },
         };
         let cold = arena.as_ref().is_some_and(|b| b.unpinned_below(total) > 0);
 
