@@ -170,6 +170,14 @@ class Allocator:
         most the bytes asleep with a backup plus one spare arena no larger than the largest backup one sleep
         made (or `reserve_host` asked for); backups left in arenas with holes by partial wakes are moved
         together when needed to stay within that."""
+    def set_host_budget(self, nbytes: Optional[int]) -> None:
+        """Cap the pinned host memory held for backups (`host_bytes()`) at `nbytes` (None: no cap; env
+        CUMEM_RS_HOST_BUDGET with K/M/G suffixes). A sleep whose backups would pass it sends the rest to the spill
+        directory (`set_spill_dir`); without one it is refused with CumemOutOfMemoryError naming the budget,
+        before anything is released."""
+    @property
+    def host_budget(self) -> Optional[int]:
+        """The host budget in bytes, or None."""
     def set_keep_host_memory(self, keep: bool) -> None:
         """Keep host backup memory after wake for a fast next sleep (True, default) or return it (False)."""
     def reserve_host(self, nbytes: int, background: bool = False) -> None:

@@ -261,6 +261,13 @@ class CuMemAllocator:
         except Exception as e:  # never fail interpreter shutdown
             logger.debug("cumem_rs: releasing pools at exit failed: %s", e)
 
+    # -- where backups go --
+
+    def set_host_budget(self, nbytes: Optional[int]) -> None:
+        """Cap the pinned host memory held for backups at `nbytes` (None: no cap); see `Allocator.set_host_budget`."""
+        self._check_open()
+        self._native.set_host_budget(nbytes)
+
     # -- sleep / wake --
 
     def sleep(self, offload_tags: Optional[TagArg] = None) -> Report:

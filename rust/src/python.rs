@@ -317,6 +317,23 @@ impl Allocator {
         })
     }
 
+    /// Cap the pinned host memory held for backups at `nbytes` (None: no cap).
+    fn set_host_budget(&self, py: Python<'_>, nbytes: &Bound<'_, PyAny>) -> PyResult<()> {
+        guard(|| {
+            let n = if nbytes.is_none() {
+                None
+            } else {
+                Some(size_arg(nbytes, "nbytes", true)?)
+            };
+            Ok(py.detach(|| self.engine.set_host_budget(n))?)
+        })
+    }
+
+    #[getter]
+    fn host_budget(&self, py: Python<'_>) -> PyResult<Option<usize>> {
+        guard(|| Ok(py.detach(|| self.engine.host_budget())?))
+    }
+
     fn set_keep_host_memory(&self, py: Python<'_>, keep: &Bound<'_, PyAny>) -> PyResult<()> {
         guard(|| {
             let keep = bool_arg(keep, "keep")?;

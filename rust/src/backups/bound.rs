@@ -95,6 +95,13 @@ impl BackupStore {
         if total == 0 {
             return Ok(());
         }
+        // The new arena sits beside the old ones until the move is done: not past the host budget.
+        if self.check_budget(total, "compacting host backups").is_err() {
+            log::debug!(
+                "backup store: not compacting {total} bytes of host backups: past the host budget"
+            );
+            return Ok(());
+        }
         let acquired = self.host.acquire(total);
         self.record_host_fallbacks(log);
         let mut buf = acquired?;

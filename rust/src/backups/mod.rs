@@ -12,6 +12,7 @@
 //! caller's `ErrorLog`.
 
 mod bound;
+mod budget;
 mod pin_ahead;
 mod retain;
 
@@ -23,6 +24,7 @@ use crate::error::Result;
 use crate::error_log::ErrorLog;
 use crate::host::{HostBuffer, HostPool};
 
+pub use budget::BUDGET_ENV;
 use pin_ahead::HostRoom;
 pub use pin_ahead::PinAheadStatus;
 pub use retain::SleepPrints;
@@ -95,6 +97,8 @@ pub struct StoreConfig {
     pub pin_chunk: usize,
     /// A cap on the host memory pinned for backups, besides what the driver says the host can give.
     pub host_limit: Option<usize>,
+    /// A cap on the host memory held for backups at any time (budget.rs).
+    pub host_budget: Option<usize>,
 }
 
 pub struct BackupStore {
@@ -114,6 +118,8 @@ pub struct BackupStore {
     retention: retain::Retention,
     /// What may still be pinned: the driver's answer and the configured cap.
     room: HostRoom,
+    /// The host budget (budget.rs).
+    budget: Option<usize>,
 }
 
 impl BackupStore {
@@ -131,6 +137,7 @@ impl BackupStore {
                 driver: driver.clone(),
                 cap: config.host_limit,
             },
+            budget: config.host_budget,
             driver,
         }
     }
@@ -217,11 +224,23 @@ impl BackupStore {
         if cached.is_none() {
             self.host.trim()?;
         }
+        // Within the host budget: a cached arena larger than the budget allows goes back, and a fresh one of
+        // exactly `total` bytes is checked instead.
+        const REFUSED: &str =
+            "sleep (refused before anything was released: every allocation stays awake)";
+        let cached = match cached {
+            Some(b) if self.check_budget(b.len(), REFUSED).is_err() => {
+                let _ = self.host.cache(b);
+                self.host.trim()?;
+                None
+            }
+            other => other,
+        };
+        if cached.is_none() {
+            self.check_budget(total, REFUSED)?;
+        }
         let to_pin = cached.as_ref().map_or(total, |b| b.unpinned_below(total));
-        if let Err(e) = self.room.check(
-            to_pin,
-            "sleep (refused before anything was released: every allocation stays awake)",
-        ) {
+        if let Err(e) = self.room.check(to_pin, REFUSED) {
             if let Some(b) = cached {
                 let _ = self.host.cache(b); // as it was; a refused unpin keeps it cached anyway
             }
@@ -344,6 +363,7 @@ mod tests {
             fingerprint_chunk: GRAN,
             pin_chunk: GRAN,
             host_limit: None,
+            host_budget: None,
         };
         (sim.clone(), BackupStore::new(sim, config))
     }

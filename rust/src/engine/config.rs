@@ -1,6 +1,7 @@
 //! The engine's configuration: every environment variable the Rust side reads, read once, when an engine is made.
 //! (The README's table of environment variables lists these and the Python-side ones.)
 
+pub use crate::backups::BUDGET_ENV as HOST_BUDGET_ENV;
 use crate::backups::{StoreConfig, DEFAULT_PIN_CHUNK};
 use crate::fingerprint;
 use crate::host_guard::parse_size;
@@ -26,6 +27,8 @@ pub struct EngineConfig {
     pub fingerprint_chunk: usize,
     /// At most this much host memory is pinned for backups (besides what the host and its cgroup allow).
     pub host_memory_limit: Option<usize>,
+    /// At most this much pinned host memory is held for backups at any time (`CUMEM_RS_HOST_BUDGET`).
+    pub host_budget: Option<usize>,
 }
 
 impl Default for EngineConfig {
@@ -36,6 +39,7 @@ impl Default for EngineConfig {
             pin_chunk: DEFAULT_PIN_CHUNK,
             fingerprint_chunk: fingerprint::DEFAULT_CHUNK,
             host_memory_limit: None,
+            host_budget: None,
         }
     }
 }
@@ -69,6 +73,12 @@ impl EngineConfig {
                 log::warn!("{HOST_MEMORY_LIMIT_ENV}={v:?} is not a byte count; ignored");
             }
         }
+        if let Some(v) = var(HOST_BUDGET_ENV) {
+            c.host_budget = parse_size(&v);
+            if c.host_budget.is_none() {
+                log::warn!("{HOST_BUDGET_ENV}={v:?} is not a byte count; ignored");
+            }
+        }
         c
     }
 
@@ -78,6 +88,7 @@ impl EngineConfig {
             fingerprint_chunk: self.fingerprint_chunk,
             pin_chunk: self.pin_chunk,
             host_limit: self.host_memory_limit,
+            host_budget: self.host_budget,
         }
     }
 }
@@ -113,5 +124,7 @@ mod tests {
             with(&[(HOST_MEMORY_LIMIT_ENV, "x")]).host_memory_limit,
             None
         );
+        assert_eq!(with(&[(HOST_BUDGET_ENV, "4G")]).host_budget, Some(4 << 30));
+        assert_eq!(with(&[(HOST_BUDGET_ENV, "some")]).host_budget, None);
     }
 }

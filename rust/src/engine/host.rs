@@ -27,6 +27,18 @@ impl Engine {
         Ok(())
     }
 
+    /// Cap the pinned host memory held for backups (`host_bytes()`) at `budget` bytes, or lift the cap (None).
+    /// A sleep whose backup would pass it spills to files where a spill directory is set, else is refused.
+    pub fn set_host_budget(&self, budget: Option<usize>) -> Result<()> {
+        let mut locked = self.lock_open()?;
+        locked.backups.set_host_budget(budget)
+    }
+
+    /// The host budget (`set_host_budget`), if one is set.
+    pub fn host_budget(&self) -> Result<Option<usize>> {
+        Ok(self.lock_open()?.backups.host_budget())
+    }
+
     pub fn set_keep_host_memory(&self, keep: bool) -> Result<()> {
         let mut locked = self.lock_open()?;
         let inner = &mut *locked;
