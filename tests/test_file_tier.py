@@ -28,9 +28,24 @@ def tensor(a: Allocator, tag: str, granules: int) -> tuple[int, bytes]:
 @pytest.fixture
 def a(alloc: Allocator):
     yield alloc
-    # The CUDA allocator is shared: leave it awake and without a budget or spill directory.
+    # The CUDA allocator is shared: leave it awake, without a budget, a spill directory or armed faults.
+    alloc.clear_spill_faults()
     alloc.wake_up(None)
     alloc.set_host_budget(None)
+    alloc.set_spill_dir(None)
+    alloc.set_tag_policy("weights")
+    alloc.set_staging_bytes(256 << 20)
+    alloc.trim_host()
+
+
+@pytest.fixture
+def spilling(a: Allocator, tmp_path):
+    """`a` with a budget of one granule, a spill directory and a small staging ring (chunks per allocation)."""
+    g = a.granularity(0)
+    a.set_host_budget(g)
+    a.set_spill_dir(tmp_path)
+    a.set_staging_bytes(max(8 * 4096, g // 2))
+    return a
 
 
 def test_a_sleep_past_the_budget_without_a_spill_dir_is_refused_and_keeps_every_byte(a):
@@ -56,3 +71,116 @@ def test_host_budget_bad_input_names_the_argument(a):
         a.set_host_budget(-1)
     with pytest.raises(TypeError, match="nbytes"):
         a.set_host_budget("1G")
+
+
+def test_backups_past_the_budget_go_to_an_unlinked_file_and_come_back(spilling, tmp_path):
+    a = spilling
+    g = a.granularity(0)
+    tensors = [tensor(a, "weights", n) for n in (1, 2, 1)]
+    rep = a.sleep("weights")
+    s = a.stats()
+    assert a.host_bytes() <= g
+    assert s["host_tier_bytes"] == g and s["file_tier_bytes"] == 3 * g
+    assert rep["written_bytes"] == 3 * g and rep["file_seconds"] > 0
+    assert s["staging_bytes"] > 0
+    assert list(tmp_path.iterdir()) == [], "spill files are unlinked as soon as they are open"
+    woke = a.wake_up(None)
+    assert woke["read_bytes"] == 3 * g
+    for addr, data in tensors:
+        assert a.read(addr, len(data)) == data
+    for addr, _ in tensors:
+        a.free(addr)
+
+
+def test_a_file_tier_policy_sends_a_tag_to_files_whatever_the_budget(a, tmp_path):
+    a.set_spill_dir(tmp_path)
+    assert a.spill_dir == tmp_path
+    a.set_tag_policy("weights", backup_tier="file")
+    assert a.tag_policy("weights")["backup_tier"] == "file"
+    addr, data = tensor(a, "weights", 2)
+    a.sleep("weights")
+    assert a.stats()["file_tier_bytes"] == len(data) and a.stats()["host_tier_bytes"] == 0
+    assert a.status()["tags"]["weights"]["backup_tier"] == "file"
+    a.wake_up(None)
+    assert a.read(addr, len(data)) == data
+    a.free(addr)
+
+
+@pytest.mark.parametrize("error", ["short", "enospc", "eio"])
+def test_a_failed_write_leaves_each_allocation_awake_or_asleep_with_a_complete_backup(spilling, error):
+    a = spilling
+    tensors = [tensor(a, "weights", n) for n in (1, 2, 1)]
+    for nth in range(1, 6):
+        a.inject_spill_fault("write", nth, error)
+        try:
+            a.sleep("weights")
+        except cumem_rs.CumemError:
+            pass
+        a.clear_spill_faults()
+        asleep = {r["address"] for r in a.allocations() if r["asleep"]}
+        for addr, data in tensors:
+            if addr in asleep:
+                assert a.read_backup(addr, len(data)) == data
+            else:
+                assert a.read(addr, len(data)) == data
+        a.wake_up(None)
+        for addr, data in tensors:
+            assert a.read(addr, len(data)) == data
+    for addr, _ in tensors:
+        a.free(addr)
+
+
+@pytest.mark.parametrize("error", ["short", "eio"])
+def test_a_failed_read_fails_the_wake_and_a_later_wake_succeeds(spilling, error):
+    a = spilling
+    tensors = [tensor(a, "weights", n) for n in (1, 2, 1)]
+    a.sleep("weights")
+    usage = a.usage()
+    a.inject_spill_fault("read", 1, error)
+    with pytest.raises(cumem_rs.CumemError, match="spill file"):
+        a.wake_up(None)
+    a.clear_spill_faults()
+    assert a.usage() == usage, "what the failed wake mapped was released"
+    assert a.stats()["asleep_allocations"] >= 3
+    a.wake_up(None)
+    for addr, data in tensors:
+        assert a.read(addr, len(data)) == data
+        a.free(addr)
+
+
+def test_spill_dir_bad_input_names_the_path(a, tmp_path):
+    missing = tmp_path / "missing"
+    with pytest.raises(ValueError, match="missing"):
+        a.set_spill_dir(missing)
+    a_file = tmp_path / "plain"
+    a_file.write_bytes(b"x")
+    with pytest.raises(ValueError, match="not a directory"):
+        a.set_spill_dir(a_file)
+    with pytest.raises(TypeError, match="path"):
+        a.set_spill_dir(3)
+    with pytest.raises(ValueError, match="backup_tier"):
+        a.set_tag_policy("weights", backup_tier="disk")
+    with pytest.raises(ValueError, match="staging"):
+        a.set_staging_bytes(100)
+
+
+def test_unwritable_spill_dir_is_a_value_error(a, tmp_path):
+    if os.geteuid() == 0:
+        pytest.skip("root writes into any directory")
+    ro = tmp_path / "ro"
+    ro.mkdir(mode=0o500)
+    with pytest.raises(ValueError, match="ro"):
+        a.set_spill_dir(ro)
+
+
+def test_the_environment_sets_budget_and_spill_dir(tmp_path):
+    import subprocess
+    import sys
+
+    code = (
+        "import cumem_rs; a = cumem_rs.Allocator.simulated(granularity=1 << 16); "
+        "print(a.host_budget, a.spill_dir)"
+    )
+    env = dict(os.environ, CUMEM_RS_HOST_BUDGET="64K", CUMEM_RS_SPILL_DIR=str(tmp_path))
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["65536", str(tmp_path)]

@@ -17,6 +17,7 @@ use super::{Backup, BackupStore};
 use crate::driver::DevPtr;
 use crate::error::Result;
 use crate::error_log::ErrorLog;
+use crate::host::HostBuffer;
 
 impl BackupStore {
     /// Bring the host memory held back within its bound (see the module comment). Failures are recorded: the
@@ -82,16 +83,21 @@ impl BackupStore {
     /// Move the backups in arenas with unused bytes into one new arena of exactly their size.
     fn compact(&mut self, log: &mut ErrorLog) -> Result<()> {
         // (allocation, its backup, retained by an awake allocation)
-        let mut moves: Vec<(DevPtr, Backup, bool)> = (self.asleep.iter())
-            .map(|(a, b)| (*a, b.clone(), false))
-            .chain(self.retention.backups().map(|(a, b)| (a, b.clone(), true)))
+        // (allocation, its arena and offset, length, retained by an awake allocation); file backups stay put.
+        let mut moves: Vec<(DevPtr, Arc<HostBuffer>, usize, usize, bool)> = (self.asleep.iter())
+            .map(|(a, b)| (*a, b, false))
+            .chain(self.retention.backups().map(|(a, b)| (a, b, true)))
+            .filter_map(|(a, b, r)| {
+                b.arena()
+                    .map(|(arena, off)| (a, arena.clone(), off, b.len, r))
+            })
             .collect();
         let mut used: HashMap<usize, usize> = HashMap::new(); // arena address -> bytes of backups in it
-        for (_, b, _) in &moves {
-            *used.entry(Arc::as_ptr(&b.arena) as usize).or_default() += b.len;
+        for (_, arena, _, len, _) in &moves {
+            *used.entry(Arc::as_ptr(arena) as usize).or_default() += len;
         }
-        moves.retain(|(_, b, _)| used[&(Arc::as_ptr(&b.arena) as usize)] < b.arena.len());
-        let total: usize = moves.iter().map(|m| m.1.len).sum();
+        moves.retain(|(_, arena, ..)| used[&(Arc::as_ptr(arena) as usize)] < arena.len());
+        let total: usize = moves.iter().map(|m| m.3).sum();
         if total == 0 {
             return Ok(());
         }
@@ -107,10 +113,10 @@ impl BackupStore {
         let mut buf = acquired?;
         let mut offset = 0;
         let mut placed = Vec::with_capacity(moves.len());
-        for (addr, b, retained) in moves {
-            buf.copy_from(offset, &b.arena, b.offset, b.len);
-            placed.push((addr, offset, b.len, retained));
-            offset += b.len;
+        for (addr, arena, from, len, retained) in moves {
+            buf.copy_from(offset, &arena, from, len);
+            placed.push((addr, offset, len, retained));
+            offset += len;
         }
         let arena = Arc::new(buf);
         for (addr, offset, len, retained) in placed {

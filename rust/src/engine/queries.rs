@@ -46,6 +46,9 @@ impl Engine {
             host_backup_bytes: inner.backups.arena_bytes(),
             host_cached_bytes: inner.backups.cached_bytes(),
             host_retained_bytes: inner.backups.retained_bytes(),
+            host_tier_bytes: inner.backups.asleep_bytes(),
+            file_tier_bytes: inner.backups.file_bytes(),
+            staging_bytes: inner.backups.staging_held(),
             retained_allocations: inner.backups.retained_count(),
             mallocs: c.mallocs,
             frees: c.frees,
@@ -124,7 +127,7 @@ impl Engine {
             ))
         })?;
         let mut out = vec![0u8; len];
-        backup.read_at((addr - a.addr) as usize, &mut out);
+        backup.read_at((addr - a.addr) as usize, &mut out)?;
         Ok(Some(out))
     }
 

@@ -5,7 +5,7 @@ use std::time::Instant;
 
 use super::policy::Policies;
 use super::{tag_set, Engine, Inner, Report};
-use crate::backups::{Backup, SleepPrints};
+use crate::backups::{Backup, FileSleep, SleepPrints};
 use crate::driver::DevPtr;
 use crate::error::{Error, Result};
 use crate::host::HostBuffer;
@@ -84,6 +84,16 @@ impl Engine {
         inner.backups.drop_retained(&bare);
         let retained = inner.backups.split_retained(&mut backed);
 
+        // 0. Which of the others go to a spill file (tag policies, the host budget): the directory's space, the
+        //    file and the staging ring are had here, before anything is released.
+        let wanted: Vec<_> = (backed.iter())
+            .map(|addr| {
+                let a = inner.reg.get(*addr).expect("selected");
+                (a.addr, a.device, a.size, inner.policies.backup_tier(&a.tag))
+            })
+            .collect();
+        let (backed, spill) = inner.backups.plan_tiers(&wanted, &mut inner.log)?;
+
         // 1. The host arena for the backups made now (the only step that may still return early).
         let (jobs, total) = self.sleep_jobs(inner, &backed);
         let arena = match total {
@@ -130,6 +140,12 @@ impl Engine {
             }
         }
         drop(copies.issued.take()); // after a failure: waits for the copy streams too
+
+        // 6b. The file tier, once the host copies are done (nothing more after a failure): device -> staging ring
+        //     -> file, each allocation released once all its bytes are written.
+        if let Some(plan) = spill.filter(|_| first_err.is_none()) {
+            self.write_files(inner, &plan, &mut report, &mut first_err);
+        }
 
         // 7. Once their changed chunks are on the host, release the allocations with a retained backup.
         self.release_retained(inner, prints, changed_ok, &mut report, &mut first_err);
@@ -210,6 +226,34 @@ impl Engine {
         SleepCopies {
             issued: Some(in_flight),
             cells: Some(CellRelease::new(jobs, cell_size, arena)),
+        }
+    }
+
+    /// Write the file-tier backups of `plan`, releasing each allocation whose backup is complete.
+    fn write_files(
+        &self,
+        inner: &mut Inner,
+        plan: &FileSleep,
+        report: &mut Report,
+        first_err: &mut Option<Error>,
+    ) {
+        let start = Instant::now();
+        let mut copied = 0;
+        let written = plan.write_out(&*self.driver, |job, backup| {
+            match self.release_to_sleep(inner, job.addr, Some(backup), report) {
+                Ok(()) => copied += job.size,
+                Err(e) => {
+                    first_err.get_or_insert(e);
+                }
+            }
+        });
+        report.copied_bytes += copied;
+        report.file_seconds += start.elapsed().as_secs_f64();
+        match written {
+            Ok(n) => report.written_bytes += n,
+            Err(e) => {
+                first_err.get_or_insert(e);
+            }
         }
     }
 
