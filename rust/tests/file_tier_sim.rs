@@ -256,3 +256,35 @@ fn free_and_close_drop_file_backups_and_the_ring() {
     e.close().unwrap();
     assert_no_leaks(&sim);
 }
+
+#[test]
+fn io_threads_the_os_refuses_are_recorded_and_their_work_runs_on_the_calling_thread() {
+    use cumem_rs::driver::Op;
+    let dir = TempDir::new("threads");
+    let (sim, e) = spilling(&dir, 0);
+    let tensors: Vec<_> = (0..3).map(|i| weights(&e, 2, i as u8)).collect();
+    for phase in ["sleep", "wake"] {
+        let before = e.errors().len();
+        sim.inject_fault(Op::ThreadSpawn, 1, 999).unwrap();
+        if phase == "sleep" {
+            e.sleep(&["weights"]).unwrap();
+        } else {
+            e.wake::<&str>(None).unwrap();
+        }
+        sim.clear_faults();
+        let errors = e.errors();
+        assert!(
+            errors.len() > before,
+            "{phase}: the refused thread is recorded"
+        );
+        assert!(
+            errors.last().unwrap().contains("worker thread"),
+            "{errors:?}"
+        );
+    }
+    for (a, d) in &tensors {
+        assert_eq!(e.read(*a, d.len()).unwrap(), *d);
+    }
+    e.close().unwrap();
+    assert_no_leaks(&sim);
+}

@@ -87,6 +87,8 @@ struct Workers<T, R> {
     tx: Option<Sender<T>>,
     rx: Receiver<R>,
     threads: usize,
+    /// Why fewer threads than asked for started (the work then runs on fewer, or on the calling thread).
+    refused: Option<Error>,
     /// Results of work done on the calling thread.
     ready: VecDeque<R>,
 }
@@ -106,9 +108,10 @@ impl<T: Send, R: Send> Workers<T, R> {
         let (tx, task_rx) = channel::<T>();
         let (res_tx, rx) = channel::<R>();
         let task_rx = Arc::new(Mutex::new(task_rx));
-        let mut threads = 0;
+        let (mut threads, mut refused) = (0, None);
         for i in 0..n {
-            if driver.thread_spawn().is_err() {
+            if let Err(e) = driver.thread_spawn() {
+                refused = Some(e);
                 break;
             }
             let (task_rx, res_tx) = (task_rx.clone(), res_tx.clone());
@@ -124,13 +127,19 @@ impl<T: Send, R: Send> Workers<T, R> {
                 .spawn_scoped(s, body)
             {
                 Ok(_) => threads += 1,
-                Err(_) => break,
+                Err(e) => {
+                    refused = Some(Error::InvalidState(format!(
+                        "thread_spawn: the OS refused a new thread: {e}"
+                    )));
+                    break;
+                }
             }
         }
         Workers {
             tx: Some(tx),
             rx,
             threads,
+            refused,
             ready: VecDeque::new(),
         }
     }
@@ -189,10 +198,12 @@ fn chunks(sizes: impl Iterator<Item = usize>, slot: usize) -> Vec<(usize, usize,
 impl FileSleep {
     /// Copy every job device -> ring -> file. `done` gets each job whose bytes are all written, with its backup
     /// (the caller releases the allocation); after the first failure nothing more is handed to `done`, every copy
-    /// and write in flight is waited for, and the failure is returned. Ok: the bytes written.
+    /// and write in flight is waited for, and the failure is returned. Ok: the bytes written. A writer thread
+    /// that could not start goes to `refused` (its work ran on the others, or on this thread).
     pub fn write_out(
         &self,
         driver: &dyn Driver,
+        refused: &mut Option<Error>,
         mut done: impl FnMut(&FileJob, Backup),
     ) -> Result<usize> {
         let (ring, file, io) = (&*self.ring, &*self.file, &*self.io);
@@ -209,6 +220,7 @@ impl FileSleep {
         };
         std::thread::scope(|s| {
             let mut workers = Workers::start(s, IO_THREADS.min(ring.slots()), &work, driver);
+            *refused = workers.refused.take();
             let mut free: Vec<usize> = (0..ring.slots()).rev().collect();
             let mut copying: VecDeque<(usize, usize, i32, u64)> = VecDeque::new();
             let (mut next, mut pending, mut written) = (0, 0, 0);
@@ -447,7 +459,12 @@ impl BackupStore {
             .collect();
         let ring = self.ring(log)?;
         let io = self.io.clone();
-        read_in(driver, &ring, &*io, &items)
+        let mut refused = None;
+        let read = read_in(driver, &ring, &*io, &items, &mut refused);
+        if let Some(e) = refused {
+            log.record(super::THREAD_REFUSED, &e);
+        }
+        read
     }
 }
 
@@ -457,6 +474,7 @@ fn read_in(
     ring: &StagingRing,
     io: &dyn SpillIo,
     items: &[(i32, DevPtr, Backup)],
+    refused: &mut Option<Error>,
 ) -> Result<usize> {
     let chunks = chunks(items.iter().map(|i| i.2.len()), ring.slot_size());
     let work = |(slot, mut mem, c): (usize, SlotMem, usize)| {
@@ -467,6 +485,7 @@ fn read_in(
     };
     std::thread::scope(|s| {
         let mut workers = Workers::start(s, IO_THREADS.min(ring.slots()), &work, driver);
+        *refused = workers.refused.take();
         let mut free: Vec<usize> = (0..ring.slots()).rev().collect();
         let mut copying: VecDeque<(usize, i32, u64)> = VecDeque::new();
         let (mut next, mut pending, mut read) = (0, 0, 0);

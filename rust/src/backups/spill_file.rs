@@ -367,3 +367,99 @@ impl<I: SpillIo> SpillIo for Faults<I> {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::fs::MetadataExt;
+
+    /// Two I/O blocks, aligned as O_DIRECT wants.
+    #[repr(C, align(4096))]
+    struct Blocks([u8; 2 * IO_ALIGN]);
+
+    fn temp_dir(name: &str) -> PathBuf {
+        let p = std::env::temp_dir().join(format!("cumem-rs-spill-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&p);
+        std::fs::create_dir_all(&p).unwrap();
+        p
+    }
+
+    #[test]
+    fn files_are_unlinked_private_and_hold_what_was_written() {
+        let p = temp_dir("private");
+        let dir = SpillDir::open(&p).unwrap();
+        let f = dir.create().unwrap();
+        assert_eq!(
+            std::fs::read_dir(&p).unwrap().count(),
+            0,
+            "unlinked at creation"
+        );
+        let meta = std::fs::File::from(f.fd.try_clone().unwrap())
+            .metadata()
+            .unwrap();
+        assert_eq!(meta.mode() & 0o777, 0o600, "readable by this user only");
+        assert_eq!(meta.nlink(), 0);
+        let mut page = Box::new(Blocks([7; 2 * IO_ALIGN]));
+        f.write_all_at(&PosixIo, &page.0, IO_ALIGN as u64).unwrap();
+        page.0.fill(0);
+        f.read_exact_at(&PosixIo, &mut page.0, IO_ALIGN as u64)
+            .unwrap();
+        assert!(page.0.iter().all(|b| *b == 7));
+        std::fs::remove_dir_all(&p).unwrap();
+    }
+
+    #[test]
+    fn bad_directories_and_too_little_space_are_refused_naming_the_path() {
+        let p = temp_dir("bad");
+        let missing = p.join("missing");
+        let err = SpillDir::open(&missing).err().unwrap();
+        assert!(
+            matches!(&err, Error::InvalidArgument(m) if m.contains("missing")),
+            "{err}"
+        );
+        let file = p.join("plain");
+        std::fs::write(&file, b"x").unwrap();
+        let err = SpillDir::open(&file).err().unwrap();
+        assert!(err.to_string().contains("not a directory"), "{err}");
+        let dir = SpillDir::open(&p).unwrap();
+        assert!(dir.free_bytes().unwrap() > 0);
+        let err = dir.check_space(u64::MAX).unwrap_err();
+        assert!(
+            matches!(&err, Error::OutOfMemory { what } if what.contains("spill directory")),
+            "{err}"
+        );
+        std::fs::remove_dir_all(&p).unwrap();
+    }
+
+    #[test]
+    fn faults_hit_the_nth_call_of_their_operation_once() {
+        let p = temp_dir("faults");
+        let f = SpillDir::open(&p).unwrap().create().unwrap();
+        let io = Faults::new(PosixIo);
+        let buf = &Box::new(Blocks([1; 2 * IO_ALIGN])).0;
+        io.inject(true, 2, FaultKind::Eio).unwrap();
+        assert!(f.write_all_at(&io, buf, 0).is_ok(), "first write passes");
+        assert!(
+            matches!(f.write_all_at(&io, buf, 0), Err(Error::InvalidState(m)) if m.contains("write"))
+        );
+        assert!(f.write_all_at(&io, buf, 0).is_ok(), "a fault fires once");
+        io.inject(true, 1, FaultKind::NoSpace).unwrap();
+        assert!(matches!(
+            f.write_all_at(&io, buf, 0),
+            Err(Error::OutOfMemory { .. })
+        ));
+        io.inject(true, 1, FaultKind::Short).unwrap();
+        let err = f.write_all_at(&io, buf, 0).unwrap_err();
+        assert!(
+            err.to_string().contains("wrote 0 bytes"),
+            "a short write then no progress: {err}"
+        );
+        io.inject(false, 1, FaultKind::Eio).unwrap();
+        let out = &mut Box::new(Blocks([0; 2 * IO_ALIGN])).0;
+        assert!(f.read_exact_at(&io, out, 0).is_err());
+        io.clear();
+        f.read_exact_at(&io, out, 0).unwrap();
+        assert!(FaultKind::parse("disk-on-fire").is_err());
+        std::fs::remove_dir_all(&p).unwrap();
+    }
+}

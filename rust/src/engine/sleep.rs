@@ -5,7 +5,7 @@ use std::time::Instant;
 
 use super::policy::Policies;
 use super::{tag_set, Engine, Inner, Report};
-use crate::backups::{Backup, FileSleep, SleepPrints};
+use crate::backups::{Backup, FileSleep, SleepPrints, THREAD_REFUSED};
 use crate::driver::DevPtr;
 use crate::error::{Error, Result};
 use crate::host::HostBuffer;
@@ -239,7 +239,8 @@ impl Engine {
     ) {
         let start = Instant::now();
         let mut copied = 0;
-        let written = plan.write_out(&*self.driver, |job, backup| {
+        let mut refused = None;
+        let written = plan.write_out(&*self.driver, &mut refused, |job, backup| {
             match self.release_to_sleep(inner, job.addr, Some(backup), report) {
                 Ok(()) => copied += job.size,
                 Err(e) => {
@@ -247,6 +248,9 @@ impl Engine {
                 }
             }
         });
+        if let Some(e) = refused {
+            inner.log.record(THREAD_REFUSED, &e);
+        }
         report.copied_bytes += copied;
         report.file_seconds += start.elapsed().as_secs_f64();
         match written {
