@@ -198,6 +198,7 @@ def test_file_tier_reports_stats_and_policies(tmp_path):
         _check(a.tag_policy("kv_cache"), results.TagPolicy, "tag_policy(file)")
         assert a.tag_policy("kv_cache")["backup_tier"] == "file"
         _check(a.status(), results.Status, "status() with a tier")
+        assert a.status()["tags"]["kv_cache"]["file_bytes"] == MiB
         woke = a.wake_up()
         _check(woke, results.Report, "wake_up() from files")
         assert woke["read_bytes"] == 2 * MiB

@@ -139,9 +139,11 @@ class _TagStatusKeys(TypedDict):
 
 
 class TagStatus(_TagStatusKeys, total=False):
-    """One tag of `status()`: its allocations, bytes, policy and state; `backup_tier` only when not "auto"."""
+    """One tag of `status()`: its allocations, bytes, policy and state; `backup_tier` only when not "auto", and
+    `file_bytes` (of `backup_bytes`, those in spill files) only when some are."""
 
     backup_tier: BackupTier
+    file_bytes: int
 
 
 class Status(TypedDict):

@@ -285,6 +285,10 @@ impl BackupStore {
     pub fn take(&mut self, addr: DevPtr) -> Option<Backup> {
         let b = self.asleep.remove(&addr)?;
         self.count(&b, false);
+        // Restored or freed: its disk blocks go back now, not when the last backup in the file goes.
+        if let Some((file, offset)) = b.file() {
+            file.punch(offset, b.len);
+        }
         Some(b)
     }
 

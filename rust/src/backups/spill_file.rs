@@ -142,6 +142,20 @@ impl SpillDir {
 }
 
 impl SpillFile {
+    /// Give the disk blocks of [offset, offset+len) back (a backup in the file is no longer needed while others
+    /// in it still are). Best effort: a file system without hole punching keeps them until the file closes.
+    pub fn punch(&self, offset: u64, len: usize) {
+        let flags = rustix::fs::FallocateFlags::PUNCH_HOLE | rustix::fs::FallocateFlags::KEEP_SIZE;
+        let len = len.next_multiple_of(IO_ALIGN) as u64;
+        let _ = rustix::fs::fallocate(&self.fd, flags, offset, len);
+    }
+
+    /// Bytes of disk the file takes now (blocks allocated), for tests of the space given back.
+    #[cfg(test)]
+    pub fn disk_bytes(&self) -> u64 {
+        rustix::fs::fstat(&self.fd).map_or(0, |s| s.st_blocks as u64 * 512)
+    }
+
     /// Write all of `buf` at `offset` through `io`; a write that makes no progress is an error.
     pub fn write_all_at(&self, io: &dyn SpillIo, buf: &[u8], offset: u64) -> Result<()> {
         let mut done = 0;
@@ -405,6 +419,26 @@ mod tests {
         f.read_exact_at(&PosixIo, &mut page.0, IO_ALIGN as u64)
             .unwrap();
         assert!(page.0.iter().all(|b| *b == 7));
+        std::fs::remove_dir_all(&p).unwrap();
+    }
+
+    #[test]
+    fn punched_ranges_give_their_disk_blocks_back() {
+        let p = temp_dir("punch");
+        let f = SpillDir::open(&p).unwrap().create().unwrap();
+        let page = Box::new(Blocks([3; 2 * IO_ALIGN]));
+        for i in 0..8 {
+            f.write_all_at(&PosixIo, &page.0, (i * 2 * IO_ALIGN) as u64)
+                .unwrap();
+        }
+        let full = f.disk_bytes();
+        assert!(full >= (16 * IO_ALIGN) as u64, "{full}");
+        f.punch(0, 8 * IO_ALIGN);
+        assert!(
+            f.disk_bytes() <= full - (8 * IO_ALIGN) as u64,
+            "{} of {full}",
+            f.disk_bytes()
+        );
         std::fs::remove_dir_all(&p).unwrap();
     }
 

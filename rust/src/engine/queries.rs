@@ -92,8 +92,11 @@ impl Engine {
                 }
                 State::Asleep => {
                     t.asleep_bytes += a.size;
-                    if inner.backups.backup_of(a.addr).is_some() {
+                    if let Some(b) = inner.backups.backup_of(a.addr) {
                         t.backup_bytes += a.size;
+                        if !b.in_host() {
+                            t.file_bytes += a.size;
+                        }
                     }
                 }
             }

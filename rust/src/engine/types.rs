@@ -101,6 +101,8 @@ pub struct TagStatus {
     pub backup_bytes: usize,
     /// Host bytes of retained backups, kept bound to awake allocations after the wake that restored them.
     pub retained_bytes: usize,
+    /// Of `backup_bytes`, those in spill files (the file tier); the rest are in host memory.
+    pub file_bytes: usize,
     pub policy: TagPolicy,
 }
 

@@ -85,6 +85,9 @@ fn tag_status_dict<'py>(py: Python<'py>, t: &TagStatus) -> PyResult<Bound<'py, P
         "wake_fill" => t.policy.wake_fill.name(),
         "state" => t.state(),
     });
+    if t.file_bytes > 0 {
+        d.set_item("file_bytes", t.file_bytes)?;
+    }
     with_tier(d, &t.policy)
 }
 
