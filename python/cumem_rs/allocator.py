@@ -274,6 +274,11 @@ class CuMemAllocator:
         self._check_open()
         self._native.set_spill_dir(path)
 
+    def set_staging_bytes(self, nbytes: int) -> None:
+        """Size of the file tier's pinned staging ring (default 256 MiB); see `Allocator.set_staging_bytes`."""
+        self._check_open()
+        self._native.set_staging_bytes(nbytes)
+
     # -- sleep / wake --
 
     def sleep(self, offload_tags: Optional[TagArg] = None) -> Report:
