@@ -1,12 +1,13 @@
-//! The backup store: the one owner of every host backup.
+//! The backup store: the one owner of every backup.
 //!
-//! Where an allocation's backed-up contents live (`Backup`: a piece of a shared pinned host arena), the arenas
-//! themselves and the cached one kept for the next sleep (`HostPool`), the bound on the host memory they hold
-//! (bound.rs), backups kept bound to awake allocations with their chunk fingerprints (retain.rs), and the
-//! background worker that pins the next sleep's arena ahead of time (pin_ahead.rs) all live here. The engine
-//! decides when an allocation sleeps or wakes; it asks this store for an arena to copy into, hands it the backups
-//! a sleep made (`keep`) and takes them back at wake (`take`). A codec or a file tier plugs in here, behind
-//! `Backup`, not into the engine.
+//! Where an allocation's backed-up contents live (`Backup`: a piece of a shared pinned host arena, or of an
+//! unlinked spill file), the arenas themselves and the cached one kept for the next sleep (`HostPool`), the bound
+//! on the host memory they hold (bound.rs) and the host budget (budget.rs), backups kept bound to awake
+//! allocations with their chunk fingerprints (retain.rs), the background worker that pins the next sleep's arena
+//! ahead of time (pin_ahead.rs), and the file tier (file_tier.rs over staging.rs and spill_file.rs) all live here.
+//! The engine decides when an allocation sleeps or wakes; it asks this store which backups go to files and for an
+//! arena to copy the others into, hands it the backups a sleep made (`keep`) and takes them back at wake
+//! (`take`). A codec plugs in here too, behind `Backup`, not into the engine.
 //!
 //! Every method that cannot raise what went wrong (a fallback taken, a release refused) records it in the
 //! caller's `ErrorLog`.

@@ -59,14 +59,16 @@ impl Engine {
 
     /// Back up `backed`, then release `backed` and `bare` (awake allocations).
     ///
-    /// Order: synchronize; take the host arena (the last point that may fail with nothing queued); fingerprint
+    /// Order: synchronize; choose each backup's tier (files past the host budget: space, file and staging ring
+    /// had here) and take the host arena (the last points that may fail with nothing queued); fingerprint
     /// every offloaded allocation; queue the backup copies of those without a retained backup (pinning a cold
     /// arena cell by cell meanwhile, or releasing finished cells as it goes into a pinned one); queue the copies
     /// of changed chunks into retained backups; release the allocations that need no backup while those copies
-    /// run; then, as the copies finish, release the backed-up allocations. An allocation is released only once
-    /// its whole backup is known to be on the host, so after any failure each offloaded allocation is either
-    /// awake with its data or asleep with a complete backup. Allocations of other tags are released without
-    /// backup as asked, failure or not.
+    /// run; then, as the copies finish, release the backed-up allocations; then write the file-tier backups
+    /// through the staging ring, releasing each allocation once its bytes are in the file. An allocation is
+    /// released only once its whole backup is known to be on the host or in its file, so after any failure each
+    /// offloaded allocation is either awake with its data or asleep with a complete backup. Allocations of other
+    /// tags are released without backup as asked, failure or not.
     fn sleep_targets(
         &self,
         inner: &mut Inner,
@@ -94,7 +96,7 @@ impl Engine {
             .collect();
         let (backed, spill) = inner.backups.plan_tiers(&wanted, &mut inner.log)?;
 
-        // 1. The host arena for the backups made now (the only step that may still return early).
+        // 1. The host arena for the backups made now (with step 0, the only steps that may still return early).
         let (jobs, total) = self.sleep_jobs(inner, &backed);
         let arena = match total {
             0 => None,
