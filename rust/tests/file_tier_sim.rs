@@ -288,3 +288,40 @@ fn io_threads_the_os_refuses_are_recorded_and_their_work_runs_on_the_calling_thr
     e.close().unwrap();
     assert_no_leaks(&sim);
 }
+
+#[test]
+fn with_a_spill_dir_auto_parks_more_than_the_host_can_pin() {
+    let dir = TempDir::new("guard");
+    let sim = std::sync::Arc::new(
+        cumem_rs::SimDriver::new(cumem_rs::SimConfig {
+            devices: 1,
+            capacity: 16 << 20,
+            granularity: GRAN,
+            host_memory: Some(3 * GRAN + 8 * 4096), // three granules beside the staging ring
+            ..cumem_rs::SimConfig::default()
+        })
+        .unwrap(),
+    );
+    let e = Engine::new(sim.clone() as std::sync::Arc<dyn cumem_rs::driver::Driver>).unwrap();
+    e.set_staging_bytes(8 * 4096).unwrap();
+    let tensors: Vec<_> = (0..4).map(|i| weights(&e, 2, i as u8)).collect();
+    // No spill directory: refused by the host RAM guard, as before.
+    assert!(matches!(
+        e.sleep(&["weights"]),
+        Err(Error::OutOfMemory { .. })
+    ));
+    assert_eq!(e.stats().asleep_allocations, 0);
+    e.set_spill_dir(Some(&dir.0)).unwrap();
+    e.sleep(&["weights"]).unwrap();
+    let s = e.stats();
+    assert!(
+        s.host_tier_bytes <= 2 * GRAN && s.file_tier_bytes >= 6 * GRAN,
+        "{s:?}"
+    );
+    e.wake::<&str>(None).unwrap();
+    for (a, d) in &tensors {
+        assert_eq!(e.read(*a, d.len()).unwrap(), *d);
+    }
+    e.close().unwrap();
+    assert_no_leaks(&sim);
+}

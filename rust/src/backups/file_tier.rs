@@ -1,11 +1,12 @@
 //! The file tier: backups past the host budget (or of tags whose policy says "file") go to an unlinked file in
 //! the spill directory through the bounded staging ring (staging.rs), never through a full-size pinned copy.
 //!
-//! Which tier ("auto", the default): host memory while the budget has room, in the order the sleep walks the
-//! allocations (address order), and files for the rest. Host first because a host backup restores at the copy
+//! Which tier ("auto", the default): host memory while the budget (and the host RAM guard, pin_ahead.rs) has
+//! room, in the order the sleep walks the allocations (address order), and files for the rest. Host first because a host backup restores at the copy
 //! link's rate and can be retained across wakes (unchanged chunks are not copied again), while a file backup
 //! costs the disk's rate both ways; so the budget is spent first, and only what does not fit pays for the disk.
-//! Without a budget, "auto" is the host tier; without a spill directory, nothing goes to files.
+//! Without a budget, "auto" is the host tier as far as the host can pin; without a spill directory, nothing goes
+//! to files (a sleep past the budget or the guard is refused, as before).
 //!
 //! Sleep: each file-tier allocation is cut into chunks of at most one slot; a slot is filled by a device copy,
 //! its marker waited for, then written by one of a few writer threads while the copies of the next slots run.
@@ -371,7 +372,28 @@ impl BackupStore {
         wanted: &[(DevPtr, i32, usize, BackupTier)],
         log: &mut ErrorLog,
     ) -> Result<(Vec<DevPtr>, Option<FileSleep>)> {
-        let mut room = self.budget_room().unwrap_or(usize::MAX);
+        // Host room: the budget's, and with a spill directory also what the host RAM guard lets us pin (the
+        // cached arena is pinned already; the staging ring, if not yet, is to be), so that "auto" parks more than
+        // host RAM instead of being refused.
+        let ring = match self.ring {
+            Some(_) => 0,
+            None => {
+                let (slot, slots) = StagingRing::shape(self.staging_bytes);
+                slot * slots
+            }
+        };
+        let guard = (self.spill.is_some())
+            .then(|| self.room.available())
+            .flatten()
+            .map(|a| {
+                a.saturating_add(self.host.cached_bytes())
+                    .saturating_sub(ring)
+            });
+        let mut room = [self.budget_room(), guard]
+            .into_iter()
+            .flatten()
+            .min()
+            .unwrap_or(usize::MAX);
         // Host-tier allocations take their room first: they have no other place.
         let forced: usize = (wanted.iter())
             .filter(|w| {

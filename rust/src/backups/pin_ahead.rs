@@ -121,13 +121,17 @@ pub(super) struct HostRoom {
 }
 
 impl HostRoom {
-    /// Err(OutOfMemory) naming both numbers when pinning `needed` more bytes would pass what the host can give.
-    pub fn check(&self, needed: usize, what: &str) -> Result<()> {
-        let available = [self.driver.host_available(), self.cap]
+    /// What may still be pinned now, if known: the least of the driver's answer and the cap.
+    pub fn available(&self) -> Option<usize> {
+        [self.driver.host_available(), self.cap]
             .into_iter()
             .flatten()
-            .min();
-        match available {
+            .min()
+    }
+
+    /// Err(OutOfMemory) naming both numbers when pinning `needed` more bytes would pass what the host can give.
+    pub fn check(&self, needed: usize, what: &str) -> Result<()> {
+        match self.available() {
             Some(available) if needed > available => Err(Error::OutOfMemory {
                 what: format!(
                     "{what} needs {needed} bytes of host memory but only {available} bytes are available \
