@@ -321,3 +321,23 @@ def test_state_machine_with_a_small_budget_and_a_spill_dir(backend):
 
 def test_faulty_state_machine_with_a_small_budget_and_a_spill_dir():
     run_state_machine_as_test(_faulty_spilling_machine(), settings=settings(STATEFUL_SETTINGS, max_examples=100))
+
+
+def test_with_a_spill_dir_a_sleep_past_what_the_host_can_pin_spills_instead_of_being_refused(tmp_path):
+    g = 64 << 10
+    ring = 8 * 4096
+    a = Allocator.simulated(devices=1, capacity=64 << 20, granularity=g, host_memory=3 * g + ring)
+    try:
+        a.set_staging_bytes(ring)
+        tensors = [tensor(a, "weights", 2) for _ in range(4)]
+        with pytest.raises(cumem_rs.CumemOutOfMemoryError):
+            a.sleep("weights")  # no spill directory: the host RAM guard refuses, as before
+        a.set_spill_dir(tmp_path)
+        a.sleep("weights")
+        s = a.stats()
+        assert (s["host_tier_bytes"], s["file_tier_bytes"]) == (2 * g, 6 * g)
+        a.wake_up(None)
+        for addr, data in tensors:
+            assert a.read(addr, len(data)) == data
+    finally:
+        a.close()
