@@ -175,3 +175,32 @@ def test_dicts_of_a_cycle_on_every_backend(alloc):
         _check(alloc.pin_ahead_status(), results.PinAheadStatus, "pin_ahead_status()")
     finally:
         alloc.free(addr)
+
+
+def test_file_tier_reports_stats_and_policies(tmp_path):
+    """A sleep and wake through the file tier: the reports' written/read bytes and the per-tier stats are typed
+    as the TypedDicts say, and a tag with a tier shows it in its policy and status."""
+    a = Allocator.simulated(devices=1, capacity=64 * MiB, granularity=MiB)
+    try:
+        a.set_spill_dir(tmp_path)
+        a.set_host_budget(MiB)
+        a.set_tag_policy("kv_cache", backup_tier="file")
+        for tag in ("weights", "weights", "kv_cache"):
+            a.push_tag(tag)
+            a.write(a.malloc(MiB, 0), b"y" * 100)
+            a.pop_tag()
+        slept = a.sleep(["weights", "kv_cache"])
+        _check(slept, results.Report, "sleep() to files")
+        assert slept["written_bytes"] == 2 * MiB
+        stats = a.stats()
+        _check(stats, results.Stats, "stats() with file backups")
+        assert (stats["host_tier_bytes"], stats["file_tier_bytes"]) == (MiB, 2 * MiB)
+        _check(a.tag_policy("kv_cache"), results.TagPolicy, "tag_policy(file)")
+        assert a.tag_policy("kv_cache")["backup_tier"] == "file"
+        _check(a.status(), results.Status, "status() with a tier")
+        assert a.status()["tags"]["kv_cache"]["file_bytes"] == MiB
+        woke = a.wake_up()
+        _check(woke, results.Report, "wake_up() from files")
+        assert woke["read_bytes"] == 2 * MiB
+    finally:
+        a.close()

@@ -6,6 +6,8 @@ the TypedDicts of `cumem_rs.results`. A bad argument raises `CumemValueError` (a
 (a wrong type), naming the argument: both are `CumemError`s, and a `ValueError` / `TypeError` respectively.
 """
 
+import os
+import pathlib
 from typing import Literal, Optional, Sequence, Union, final
 
 from .results import (
@@ -170,6 +172,28 @@ class Allocator:
         most the bytes asleep with a backup plus one spare arena no larger than the largest backup one sleep
         made (or `reserve_host` asked for); backups left in arenas with holes by partial wakes are moved
         together when needed to stay within that."""
+    def set_spill_dir(self, path: Optional[Union[str, "os.PathLike[str]"]]) -> None:
+        """The file tier's spill directory (None: no file tier; env CUMEM_RS_SPILL_DIR). Backups past the host
+        budget go to files there, created unlinked with mode 0600 (nothing is left behind by a killed process),
+        through a pinned staging ring; O_DIRECT where the file system takes it. ValueError naming the path when it
+        is missing, not a directory or not writable."""
+    @property
+    def spill_dir(self) -> Optional[pathlib.Path]:
+        """The spill directory, or None."""
+    def set_staging_bytes(self, nbytes: int) -> None:
+        """Size of the file tier's pinned staging ring (default 256 MiB, at least 4 KiB; outside the host budget)."""
+    def inject_spill_fault(self, op: Literal["write", "read"], nth: int = 1, error: Literal["short", "enospc", "eio"] = "eio") -> None:
+        """Test hook: the `nth` next spill-file write or read fails (short: half the bytes, then no progress)."""
+    def clear_spill_faults(self) -> None:
+        """Drop every armed spill-file fault."""
+    def set_host_budget(self, nbytes: Optional[int]) -> None:
+        """Cap the pinned host memory held for backups (`host_bytes()`) at `nbytes` (None: no cap; env
+        CUMEM_RS_HOST_BUDGET with K/M/G suffixes). A sleep whose backups would pass it sends the rest to the spill
+        directory (`set_spill_dir`); without one it is refused with CumemOutOfMemoryError naming the budget,
+        before anything is released."""
+    @property
+    def host_budget(self) -> Optional[int]:
+        """The host budget in bytes, or None."""
     def set_keep_host_memory(self, keep: bool) -> None:
         """Keep host backup memory after wake for a fast next sleep (True, default) or return it (False)."""
     def reserve_host(self, nbytes: int, background: bool = False) -> None:
@@ -221,14 +245,20 @@ class Allocator:
         """Free every allocation and host buffer. Later calls raise ClosedError. Idempotent."""
     # -- tag policies, pause/resume, status --
     def set_tag_policy(
-        self, tag: str, backup: Optional[bool] = None, wake_fill: Literal["undefined", "zero"] = "undefined"
+        self,
+        tag: str,
+        backup: Optional[bool] = None,
+        wake_fill: Literal["undefined", "zero"] = "undefined",
+        backup_tier: Literal["host", "file", "auto"] = "auto",
     ) -> None:
         """Set the whole policy of `tag` (the defaults clear it). `backup`: whether a release that does not say
         backs the tag up: `pause` always follows it (None: back up), `sleep(None)` too (None: only "default"),
         an explicit `sleep(offload_tags)` decides itself. `wake_fill="zero"`: memory of the tag that wakes
-        without a backup comes back zeroed (device memset under the wake's copies)."""
+        without a backup comes back zeroed (device memset under the wake's copies). `backup_tier`: where its
+        backups go: "host" (pinned host memory, refused past the host budget), "file" (the spill directory;
+        refused without one) or "auto" (host memory up to the budget, files for the rest)."""
     def tag_policy(self, tag: str) -> TagPolicy:
-        """{"backup": bool | None, "wake_fill": "undefined" | "zero"} of `tag`."""
+        """{"backup": bool | None, "wake_fill": "undefined" | "zero", "backup_tier": ...} of `tag`."""
     def pause(self, tags: Optional[Union[str, Sequence[str]]] = None) -> Report:
         """Release the awake allocations of `tags` (None: every tag), backed up per their policy (unset: backed
         up). Other tags keep their memory; only the devices holding paused allocations are synchronized.

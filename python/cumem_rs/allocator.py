@@ -39,7 +39,7 @@ from . import _native
 from ._native import Allocator, ClosedError, CumemError, CumemTypeError, CumemValueError
 from ._pools import check_tag, new_pool, pluggable, pool_activity, pool_block, tag_tuple
 from .logs import forward_native_logs
-from .results import Report, Status, WakeFill
+from .results import BackupTier, Report, Status, WakeFill
 
 logger = logging.getLogger("cumem_rs")
 
@@ -261,6 +261,24 @@ class CuMemAllocator:
         except Exception as e:  # never fail interpreter shutdown
             logger.debug("cumem_rs: releasing pools at exit failed: %s", e)
 
+    # -- where backups go --
+
+    def set_host_budget(self, nbytes: Optional[int]) -> None:
+        """Cap the pinned host memory held for backups at `nbytes` (None: no cap); see `Allocator.set_host_budget`."""
+        self._check_open()
+        self._native.set_host_budget(nbytes)
+
+    def set_spill_dir(self, path: Optional[Union[str, "os.PathLike[str]"]]) -> None:
+        """Backups past the host budget go to unlinked files in `path` (None: no file tier); see
+        `Allocator.set_spill_dir`."""
+        self._check_open()
+        self._native.set_spill_dir(path)
+
+    def set_staging_bytes(self, nbytes: int) -> None:
+        """Size of the file tier's pinned staging ring (default 256 MiB); see `Allocator.set_staging_bytes`."""
+        self._check_open()
+        self._native.set_staging_bytes(nbytes)
+
     # -- sleep / wake --
 
     def sleep(self, offload_tags: Optional[TagArg] = None) -> Report:
@@ -316,13 +334,21 @@ class CuMemAllocator:
 
     # -- tag policies, pause/resume, status --
 
-    def set_tag_policy(self, tag: str, backup: Optional[bool] = None, wake_fill: WakeFill = "undefined") -> None:
+    def set_tag_policy(
+        self,
+        tag: str,
+        backup: Optional[bool] = None,
+        wake_fill: WakeFill = "undefined",
+        backup_tier: BackupTier = "auto",
+    ) -> None:
         """Set the whole policy of `tag` ahead of time (the defaults clear it).
 
         `backup`: whether its memory is backed up when released by a call that does not say: `pause` always
         follows it (None: back up), `sleep()` without `offload_tags` too (None: only "default" is), while
         `sleep(offload_tags)` decides for every tag itself. `wake_fill="zero"`: its memory that wakes without a
         backup comes back zeroed instead of undefined (a device memset queued under the wake's copies).
+        `backup_tier`: "host", "file" (the spill directory, `set_spill_dir`) or "auto" (host memory up to the
+        host budget, files for the rest).
         """
         tag = check_tag(tag)
         if backup is not None and not isinstance(backup, bool):
@@ -330,7 +356,9 @@ class CuMemAllocator:
         if wake_fill not in ("undefined", "zero"):
             raise CumemValueError(f"wake_fill must be 'undefined' or 'zero', got {wake_fill!r}")
         self._check_open()
-        self._native.set_tag_policy(tag, backup, wake_fill)
+        if backup_tier not in ("host", "file", "auto"):
+            raise CumemValueError(f"backup_tier must be 'host', 'file' or 'auto', got {backup_tier!r}")
+        self._native.set_tag_policy(tag, backup, wake_fill, backup_tier)
 
     def pause(self, tags: Optional[TagArg] = None) -> Report:
         """Release the awake memory of `tags` only (None: every tag), backed up per their policy (unset: backed

@@ -20,10 +20,13 @@ __all__ = [
     "Status",
     "TagPolicy",
     "TagStatus",
+    "BackupTier",
     "WakeFill",
 ]
 
 WakeFill = Literal["undefined", "zero"]
+#: Where a tag's backups go: pinned host memory, the spill directory, or host up to the budget then files.
+BackupTier = Literal["host", "file", "auto"]
 
 
 class Report(TypedDict):
@@ -43,6 +46,12 @@ class Report(TypedDict):
     #: Chunks of retained backups whose fingerprints were compared (sleep only).
     chunks_checked: int
     fingerprint_seconds: float
+    #: Bytes written to spill files (sleep, whole I/O blocks) or read from them (wake).
+    written_bytes: int
+    read_bytes: int
+    #: Seconds of the file tier's pipeline, and its rate ((written or read bytes) / file_seconds / 1e9).
+    file_seconds: float
+    file_gb_per_s: float
     seconds: float
     #: copied_bytes / seconds / 1e9 (0.0 when nothing took time).
     gb_per_s: float
@@ -73,6 +82,11 @@ class Stats(TypedDict):
     host_backup_bytes: int
     host_cached_bytes: int
     host_retained_bytes: int
+    #: Bytes of the backups of asleep allocations per tier.
+    host_tier_bytes: int
+    file_tier_bytes: int
+    #: Pinned bytes of the file tier's staging ring (outside the host budget).
+    staging_bytes: int
     retained_allocations: int
     mallocs: int
     frees: int
@@ -99,15 +113,18 @@ class PinAheadStatus(TypedDict):
     nbytes: int
 
 
-class TagPolicy(TypedDict):
-    """The policy of one tag (`tag_policy()`)."""
-
+class _TagPolicyKeys(TypedDict):
     backup: Optional[bool]
     wake_fill: WakeFill
 
 
-class TagStatus(TypedDict):
-    """One tag of `status()`: its allocations, bytes, policy and state."""
+class TagPolicy(_TagPolicyKeys, total=False):
+    """The policy of one tag (`tag_policy()`); `backup_tier` only when it is not the default "auto"."""
+
+    backup_tier: BackupTier
+
+
+class _TagStatusKeys(TypedDict):
 
     allocations: int
     mapped_bytes: int
@@ -119,6 +136,14 @@ class TagStatus(TypedDict):
     backup: Optional[bool]
     wake_fill: WakeFill
     state: Literal["awake", "asleep", "mixed"]
+
+
+class TagStatus(_TagStatusKeys, total=False):
+    """One tag of `status()`: its allocations, bytes, policy and state; `backup_tier` only when not "auto", and
+    `file_bytes` (of `backup_bytes`, those in spill files) only when some are."""
+
+    backup_tier: BackupTier
+    file_bytes: int
 
 
 class Status(TypedDict):

@@ -10,6 +10,7 @@ use std::sync::Arc;
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyBytes, PyDict, PyList};
 
+use crate::backups::BackupTier;
 use crate::driver::cuda;
 use crate::driver::sim::{SimConfig, SimDriver, FAULT_ERRORS};
 use crate::driver::Op;
@@ -22,8 +23,8 @@ mod errors;
 mod results;
 
 use convert::{
-    address_arg, bool_arg, bytes_arg, fault_op, malloc_size_arg, size_arg, stream_arg, tag_arg,
-    tags_arg, type_name,
+    address_arg, bool_arg, bytes_arg, fault_op, malloc_size_arg, size_arg, str_arg, stream_arg,
+    tag_arg, tags_arg, type_name,
 };
 use errors::{type_error, value_error, CumemError};
 use results::{
@@ -317,6 +318,70 @@ impl Allocator {
         })
     }
 
+    /// The file tier's spill directory (None: no file tier).
+    fn set_spill_dir(&self, py: Python<'_>, path: &Bound<'_, PyAny>) -> PyResult<()> {
+        guard(|| {
+            let path: Option<std::path::PathBuf> = if path.is_none() {
+                None
+            } else {
+                Some(path.extract().map_err(|_| {
+                    type_error(format!(
+                        "path must be a str, os.PathLike or None, not {}",
+                        type_name(path)
+                    ))
+                })?)
+            };
+            Ok(py.detach(|| self.engine.set_spill_dir(path.as_deref()))?)
+        })
+    }
+
+    #[getter]
+    fn spill_dir(&self, py: Python<'_>) -> PyResult<Option<std::path::PathBuf>> {
+        guard(|| Ok(py.detach(|| self.engine.spill_dir())?))
+    }
+
+    fn set_staging_bytes(&self, py: Python<'_>, nbytes: &Bound<'_, PyAny>) -> PyResult<()> {
+        guard(|| {
+            let n = size_arg(nbytes, "nbytes", false)?;
+            Ok(py.detach(|| self.engine.set_staging_bytes(n))?)
+        })
+    }
+
+    /// Test hook: the `nth` next spill-file write or read fails ("short", "enospc", "eio").
+    #[pyo3(signature = (op, nth = 1, error = "eio"))]
+    fn inject_spill_fault(
+        &self,
+        op: &Bound<'_, PyAny>,
+        #[pyo3(from_py_with = convert::nth)] nth: u64,
+        error: &str,
+    ) -> PyResult<()> {
+        guard(|| {
+            let op = str_arg(op, "op")?;
+            Ok(self.engine.inject_spill_fault(&op, nth, error)?)
+        })
+    }
+
+    fn clear_spill_faults(&self) -> PyResult<()> {
+        guard(|| Ok(self.engine.clear_spill_faults()?))
+    }
+
+    /// Cap the pinned host memory held for backups at `nbytes` (None: no cap).
+    fn set_host_budget(&self, py: Python<'_>, nbytes: &Bound<'_, PyAny>) -> PyResult<()> {
+        guard(|| {
+            let n = if nbytes.is_none() {
+                None
+            } else {
+                Some(size_arg(nbytes, "nbytes", true)?)
+            };
+            Ok(py.detach(|| self.engine.set_host_budget(n))?)
+        })
+    }
+
+    #[getter]
+    fn host_budget(&self, py: Python<'_>) -> PyResult<Option<usize>> {
+        guard(|| Ok(py.detach(|| self.engine.host_budget())?))
+    }
+
     fn set_keep_host_memory(&self, py: Python<'_>, keep: &Bound<'_, PyAny>) -> PyResult<()> {
         guard(|| {
             let keep = bool_arg(keep, "keep")?;
@@ -510,13 +575,14 @@ impl Allocator {
 
     // ----- tag policies, pause/resume, status (engine/policy.rs, engine/pause.rs) ---------------------------
 
-    #[pyo3(signature = (tag, backup = None, wake_fill = "undefined"))]
+    #[pyo3(signature = (tag, backup = None, wake_fill = "undefined", backup_tier = "auto"))]
     fn set_tag_policy(
         &self,
         py: Python<'_>,
         tag: &Bound<'_, PyAny>,
         backup: Option<&Bound<'_, PyAny>>,
         #[pyo3(from_py_with = convert::wake_fill)] wake_fill: &'static str,
+        backup_tier: &str,
     ) -> PyResult<()> {
         guard(|| {
             let tag = tag_arg(tag)?;
@@ -532,6 +598,7 @@ impl Allocator {
             let policy = TagPolicy {
                 backup,
                 wake_fill: WakeFill::parse(wake_fill)?,
+                backup_tier: BackupTier::parse(backup_tier)?,
             };
             Ok(py.detach(|| self.engine.set_tag_policy(&tag, policy))?)
         })

@@ -209,6 +209,7 @@ fn scenario(e: &Engine) -> Result<(), Error> {
     let zero = TagPolicy {
         backup: None,
         wake_fill: WakeFill::Zero,
+        backup_tier: cumem_rs::backups::BackupTier::Auto,
     };
     e.set_tag_policy("default", zero)?;
     e.push_tag("weights").unwrap();

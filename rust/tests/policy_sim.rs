@@ -59,6 +59,7 @@ fn finish(sim: &SimDriver, e: Engine) {
 const ZERO: TagPolicy = TagPolicy {
     backup: None,
     wake_fill: WakeFill::Zero,
+    backup_tier: cumem_rs::backups::BackupTier::Auto,
 };
 
 #[test]
@@ -146,6 +147,7 @@ fn pause_follows_the_backup_policy_and_none_means_every_tag() {
         TagPolicy {
             backup: Some(false),
             wake_fill: WakeFill::Zero,
+            backup_tier: cumem_rs::backups::BackupTier::Auto,
         },
     )
     .unwrap();

@@ -85,21 +85,32 @@ impl BackupStore {
 
     /// Move the backups in arenas with unused bytes into one new arena of exactly their size.
     fn compact(&mut self, log: &mut ErrorLog) -> Result<()> {
-        // (allocation, its backup, retained by an awake allocation)
-        let mut moves: Vec<(DevPtr, Backup, bool)> = (self.asleep.iter())
-            .map(|(a, b)| (*a, b.clone(), false))
-            .chain(self.retention.backups().map(|(a, b)| (a, b.clone(), true)))
+        // (allocation, its arena and offset, length, retained by an awake allocation); file backups stay put.
+        let mut moves: Vec<(DevPtr, Arc<HostBuffer>, usize, usize, bool)> = (self.asleep.iter())
+            .map(|(a, b)| (*a, b, false))
+            .chain(self.retention.backups().map(|(a, b)| (a, b, true)))
+            .filter_map(|(a, b, r)| {
+                b.arena()
+                    .map(|(arena, off)| (a, arena.clone(), off, b.len, r))
+            })
             .collect();
         // In address order (asleep ones first): neighbours on the device then lie back to back in the new arena,
         // so a wake restores each run of them in one copy (`queue_restore`).
-        moves.sort_by_key(|(addr, _, retained)| (*retained, *addr));
+        moves.sort_by_key(|(addr, .., retained)| (*retained, *addr));
         let mut used: HashMap<usize, usize> = HashMap::new(); // arena address -> bytes of backups in it
-        for (_, b, _) in &moves {
-            *used.entry(Arc::as_ptr(&b.arena) as usize).or_default() += b.len;
+        for (_, arena, _, len, _) in &moves {
+            *used.entry(Arc::as_ptr(arena) as usize).or_default() += len;
         }
-        moves.retain(|(_, b, _)| used[&(Arc::as_ptr(&b.arena) as usize)] < b.arena.len());
-        let total: usize = moves.iter().map(|m| m.1.len).sum();
+        moves.retain(|(_, arena, ..)| used[&(Arc::as_ptr(arena) as usize)] < arena.len());
+        let total: usize = moves.iter().map(|m| m.3).sum();
         if total == 0 {
+            return Ok(());
+        }
+        // The new arena sits beside the old ones until the move is done: not past the host budget.
+        if self.check_budget(total, "compacting host backups").is_err() {
+            log::debug!(
+                "backup store: not compacting {total} bytes of host backups: past the host budget"
+            );
             return Ok(());
         }
         // A new buffer of exactly their size: a cached spare taken for it would become an arena with a hole of
@@ -116,10 +127,10 @@ impl BackupStore {
         }
         let mut offset = 0;
         let mut placed = Vec::with_capacity(moves.len());
-        for (addr, b, retained) in moves {
-            buf.copy_from(offset, &b.arena, b.offset, b.len);
-            placed.push((addr, offset, b.len, retained));
-            offset += b.len;
+        for (addr, arena, from, len, retained) in moves {
+            buf.copy_from(offset, &arena, from, len);
+            placed.push((addr, offset, len, retained));
+            offset += len;
         }
         let arena = Arc::new(buf);
         for (addr, offset, len, retained) in placed {

@@ -1,19 +1,24 @@
-//! The backup store: the one owner of every host backup.
+//! The backup store: the one owner of every backup.
 //!
-//! Where an allocation's backed-up contents live (`Backup`: a piece of a shared pinned host arena), the arenas
-//! themselves and the cached one kept for the next sleep (`HostPool`), the bound on the host memory they hold
-//! (bound.rs), backups kept bound to awake allocations with their chunk fingerprints (retain.rs), and the
-//! background worker that pins the next sleep's arena ahead of time (pin_ahead.rs) all live here. The engine
-//! decides when an allocation sleeps or wakes; it asks this store for an arena to copy into, hands it the backups
-//! a sleep made (`keep`) and takes them back at wake (`take`). A codec or a file tier plugs in here, behind
-//! `Backup`, not into the engine.
+//! Where an allocation's backed-up contents live (`Backup`: a piece of a shared pinned host arena, or of an
+//! unlinked spill file), the arenas themselves and the cached one kept for the next sleep (`HostPool`), the bound
+//! on the host memory they hold (bound.rs) and the host budget (budget.rs), backups kept bound to awake
+//! allocations with their chunk fingerprints (retain.rs), the background worker that pins the next sleep's arena
+//! ahead of time (pin_ahead.rs), and the file tier (file_tier.rs over staging.rs and spill_file.rs) all live here.
+//! The engine decides when an allocation sleeps or wakes; it asks this store which backups go to files and for an
+//! arena to copy the others into, hands it the backups a sleep made (`keep`) and takes them back at wake
+//! (`take`). A codec plugs in here too, behind `Backup`, not into the engine.
 //!
 //! Every method that cannot raise what went wrong (a fallback taken, a release refused) records it in the
 //! caller's `ErrorLog`.
 
 mod bound;
+mod budget;
+mod file_tier;
 mod pin_ahead;
 mod retain;
+mod spill_file;
+mod staging;
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -23,9 +28,15 @@ use crate::error::Result;
 use crate::error_log::ErrorLog;
 use crate::host::{HostBuffer, HostPool};
 
+pub use budget::BUDGET_ENV;
+pub use file_tier::{BackupTier, FileJob, FileSleep};
 use pin_ahead::HostRoom;
 pub use pin_ahead::PinAheadStatus;
 pub use retain::SleepPrints;
+pub use spill_file::{FaultKind, SPILL_DIR_ENV};
+use spill_file::{Faults, PosixIo, SpillDir, SpillFile};
+use staging::StagingRing;
+pub use staging::DEFAULT_STAGING_BYTES;
 
 /// Host arena cell pinned at a time during a cold sleep: large enough that per-call overheads vanish, small
 /// enough that the first copies start early.
@@ -34,20 +45,45 @@ pub const DEFAULT_PIN_CHUNK: usize = 512 << 20;
 /// Context of a recorded failure to start a worker thread.
 pub const THREAD_REFUSED: &str = "starting a worker thread (its work ran on the calling thread)";
 
-/// Where one allocation's backed-up contents are: `len` bytes at `offset` of a shared host arena.
+/// Where one allocation's backed-up contents are: `len` bytes at `offset` of a shared host arena, or of an
+/// unlinked spill file (file_tier.rs).
 #[derive(Clone)]
 pub struct Backup {
-    arena: Arc<HostBuffer>,
-    offset: usize,
+    place: Place,
     len: usize,
+}
+
+#[derive(Clone)]
+enum Place {
+    Arena {
+        arena: Arc<HostBuffer>,
+        offset: usize,
+    },
+    File {
+        file: Arc<SpillFile>,
+        offset: u64,
+    },
 }
 
 impl Backup {
     /// The piece [offset, offset+len) of `arena`.
     pub fn in_arena(arena: &Arc<HostBuffer>, offset: usize, len: usize) -> Backup {
         Backup {
-            arena: arena.clone(),
-            offset,
+            place: Place::Arena {
+                arena: arena.clone(),
+                offset,
+            },
+            len,
+        }
+    }
+
+    /// The piece [offset, offset+len) of spill file `file`.
+    pub(crate) fn in_file(file: &Arc<SpillFile>, offset: u64, len: usize) -> Backup {
+        Backup {
+            place: Place::File {
+                file: file.clone(),
+                offset,
+            },
             len,
         }
     }
@@ -60,18 +96,64 @@ impl Backup {
         self.len == 0
     }
 
+    /// Whether it lies in host memory (else in a spill file).
+    pub fn in_host(&self) -> bool {
+        matches!(self.place, Place::Arena { .. })
+    }
+
+    /// (arena, offset) of a host backup.
+    fn arena(&self) -> Option<(&Arc<HostBuffer>, usize)> {
+        match &self.place {
+            Place::Arena { arena, offset } => Some((arena, *offset)),
+            Place::File { .. } => None,
+        }
+    }
+
+    /// (file, offset) of a file backup.
+    fn file(&self) -> Option<(&SpillFile, u64)> {
+        match &self.place {
+            Place::File { file, offset } => Some((file, *offset)),
+            Place::Arena { .. } => None,
+        }
+    }
+
     /// `out.len()` bytes from `at` bytes into the backup.
-    pub fn read_at(&self, at: usize, out: &mut [u8]) {
+    pub fn read_at(&self, at: usize, out: &mut [u8]) -> Result<()> {
         assert!(at + out.len() <= self.len, "read past the backup's end");
-        self.arena.read_at(self.offset + at, out);
+        match &self.place {
+            Place::Arena { arena, offset } => {
+                arena.read_at(offset + at, out);
+                Ok(())
+            }
+            // Block by block into aligned buffers: the file may be open with O_DIRECT (a diagnostics path).
+            Place::File { file, offset } => {
+                const B: u64 = spill_file::IO_ALIGN as u64;
+                let (from, to) = (*offset + at as u64, *offset + (at + out.len()) as u64);
+                let mut block = Box::new(Block([0; spill_file::IO_ALIGN]));
+                let mut start = from / B * B;
+                while start < to {
+                    file.read_exact_at(&PosixIo, &mut block.0, start)?;
+                    let (lo, hi) = (from.max(start), to.min(start + B));
+                    out[(lo - from) as usize..(hi - from) as usize]
+                        .copy_from_slice(&block.0[(lo - start) as usize..(hi - start) as usize]);
+                    start += B;
+                }
+                Ok(())
+            }
+        }
     }
 
     /// Whether `next` lies right behind this backup in the same arena (one copy can restore both).
     fn continued_by(&self, next: &Backup) -> bool {
-        Arc::ptr_eq(&self.arena, &next.arena) && self.offset + self.len == next.offset
+        match (self.arena(), next.arena()) {
+            (Some((a, off)), Some((b, next_off))) => {
+                Arc::ptr_eq(a, b) && off + self.len == next_off
+            }
+            _ => false,
+        }
     }
 
-    /// Queue the copy of `len` bytes of the device range at `addr` into the backup, `at` bytes into it.
+    /// Queue the copy of `len` bytes of the device range at `addr` into the (host) backup, `at` bytes into it.
     pub fn queue_from_device(
         &self,
         device: i32,
@@ -79,13 +161,20 @@ impl Backup {
         at: usize,
         len: usize,
     ) -> Result<usize> {
-        self.arena
-            .queue_from_device(device, addr, self.offset + at, len)
+        let (arena, offset) = self.arena().expect("retained backups are in host memory");
+        arena.queue_from_device(device, addr, offset + at, len)
     }
 }
 
+/// One I/O block, aligned as O_DIRECT wants.
+#[repr(C, align(4096))]
+struct Block([u8; spill_file::IO_ALIGN]);
+
+/// A restore copy being extended: (first backup's arena and offset, device, device start, length).
+type Span<'a> = ((&'a Arc<HostBuffer>, usize), i32, DevPtr, usize);
+
 /// The policy knobs of the store, from the engine's configuration.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub struct StoreConfig {
     /// Keep backups bound to their allocations across wake (retain.rs).
     pub retain: bool,
@@ -95,6 +184,10 @@ pub struct StoreConfig {
     pub pin_chunk: usize,
     /// A cap on the host memory pinned for backups, besides what the driver says the host can give.
     pub host_limit: Option<usize>,
+    /// A cap on the host memory held for backups at any time (budget.rs).
+    pub host_budget: Option<usize>,
+    /// The spill directory of the file tier (file_tier.rs), if any.
+    pub spill_dir: Option<std::path::PathBuf>,
 }
 
 pub struct BackupStore {
@@ -114,11 +207,35 @@ pub struct BackupStore {
     retention: retain::Retention,
     /// What may still be pinned: the driver's answer and the configured cap.
     room: HostRoom,
+    /// The host budget (budget.rs).
+    budget: Option<usize>,
+    /// The file tier (file_tier.rs): its directory, staging ring and size, file I/O, bytes of asleep backups.
+    spill: Option<Arc<SpillDir>>,
+    ring: Option<Arc<StagingRing>>,
+    staging_bytes: usize,
+    io: Arc<Faults<PosixIo>>,
+    file_bytes: usize,
 }
 
 impl BackupStore {
+    /// A store; a spill directory in `config` that cannot be used is left unset, with a warning.
     pub fn new(driver: Arc<dyn Driver>, config: StoreConfig) -> BackupStore {
+        let spill = config
+            .spill_dir
+            .as_deref()
+            .and_then(|p| match SpillDir::open(p) {
+                Ok(d) => Some(Arc::new(d)),
+                Err(e) => {
+                    log::warn!("{SPILL_DIR_ENV}: {e}; no file tier");
+                    None
+                }
+            });
         BackupStore {
+            spill,
+            ring: None,
+            staging_bytes: DEFAULT_STAGING_BYTES,
+            io: Arc::new(Faults::new(PosixIo)),
+            file_bytes: 0,
             host: HostPool::new(driver.clone()),
             arenas: Vec::new(),
             asleep: HashMap::new(),
@@ -131,6 +248,7 @@ impl BackupStore {
                 driver: driver.clone(),
                 cap: config.host_limit,
             },
+            budget: config.host_budget,
             driver,
         }
     }
@@ -139,9 +257,23 @@ impl BackupStore {
 
     /// `addr` went to sleep with `backup`.
     pub fn keep(&mut self, addr: DevPtr, backup: Backup) {
-        self.asleep_bytes += backup.len;
+        self.count(&backup, true);
         if let Some(old) = self.asleep.insert(addr, backup) {
-            self.asleep_bytes -= old.len;
+            self.count(&old, false);
+        }
+    }
+
+    /// Add (`add`) or remove `b` from the bytes asleep in its tier.
+    fn count(&mut self, b: &Backup, add: bool) {
+        let n = if b.in_host() {
+            &mut self.asleep_bytes
+        } else {
+            &mut self.file_bytes
+        };
+        if add {
+            *n += b.len;
+        } else {
+            *n -= b.len;
         }
     }
 
@@ -153,7 +285,11 @@ impl BackupStore {
     /// `addr` woke: its backup leaves the asleep set (retain.rs may bind it to the awake allocation).
     pub fn take(&mut self, addr: DevPtr) -> Option<Backup> {
         let b = self.asleep.remove(&addr)?;
-        self.asleep_bytes -= b.len;
+        self.count(&b, false);
+        // Restored or freed: its disk blocks go back now, not when the last backup in the file goes.
+        if let Some((file, offset)) = b.file() {
+            file.punch(offset, b.len);
+        }
         Some(b)
     }
 
@@ -170,8 +306,7 @@ impl BackupStore {
     /// device in this order) back to the device. Backups that lie back to back in one arena go back as one copy:
     /// at thousands of small allocations the driver's per-copy cost would otherwise show. Returns the bytes.
     pub fn queue_restore(&self, run: &[(i32, DevPtr)]) -> Result<usize> {
-        // (first backup, device, device start, length) of the copy being extended.
-        let mut span: Option<(&Backup, i32, DevPtr, usize)> = None;
+        let mut span: Option<Span> = None;
         let mut last: Option<&Backup> = None;
         let mut bytes = 0;
         for &(device, addr) in run {
@@ -179,6 +314,10 @@ impl BackupStore {
                 .asleep
                 .get(&addr)
                 .expect("restored allocations have a backup");
+            let Some(piece) = b.arena() else {
+                last = None; // restored from its file by `restore_files`
+                continue;
+            };
             bytes += b.len;
             if let (Some((_, _, _, len)), Some(prev)) = (&mut span, last) {
                 if prev.continued_by(b) {
@@ -187,18 +326,14 @@ impl BackupStore {
                     continue;
                 }
             }
-            if let Some((first, device, start, len)) = span.take() {
-                first
-                    .arena
-                    .queue_to_device(device, start, first.offset, len)?;
+            if let Some(((arena, offset), device, start, len)) = span.take() {
+                arena.queue_to_device(device, start, offset, len)?;
             }
-            span = Some((b, device, addr, b.len));
+            span = Some((piece, device, addr, b.len));
             last = Some(b);
         }
-        if let Some((first, device, start, len)) = span {
-            first
-                .arena
-                .queue_to_device(device, start, first.offset, len)?;
+        if let Some(((arena, offset), device, start, len)) = span {
+            arena.queue_to_device(device, start, offset, len)?;
         }
         Ok(bytes)
     }
@@ -217,11 +352,23 @@ impl BackupStore {
         if cached.is_none() {
             self.host.trim()?;
         }
+        // Within the host budget: a cached arena larger than the budget allows goes back, and a fresh one of
+        // exactly `total` bytes is checked instead.
+        const REFUSED: &str =
+            "sleep (refused before anything was released: every allocation stays awake)";
+        let cached = match cached {
+            Some(b) if self.check_budget(b.len(), REFUSED).is_err() => {
+                let _ = self.host.cache(b);
+                self.host.trim()?;
+                None
+            }
+            other => other,
+        };
+        if cached.is_none() {
+            self.check_budget(total, REFUSED)?;
+        }
         let to_pin = cached.as_ref().map_or(total, |b| b.unpinned_below(total));
-        if let Err(e) = self.room.check(
-            to_pin,
-            "sleep (refused before anything was released: every allocation stays awake)",
-        ) {
+        if let Err(e) = self.room.check(to_pin, REFUSED) {
             if let Some(b) = cached {
                 let _ = self.host.cache(b); // as it was; a refused unpin keeps it cached anyway
             }
@@ -309,6 +456,7 @@ impl BackupStore {
     pub fn set_keep_host_memory(&mut self, keep: bool, log: &mut ErrorLog) -> Result<()> {
         self.host.keep = keep;
         if !keep {
+            self.ring = None;
             self.stop_pin_ahead(log);
             self.drop_all_retained(log);
             self.host.trim()?;
@@ -321,7 +469,8 @@ impl BackupStore {
     pub fn trim(&mut self, log: &mut ErrorLog) -> Result<usize> {
         self.stop_pin_ahead(log);
         self.drop_all_retained(log);
-        self.host.trim()
+        let ring = self.ring.take().map_or(0, |r| r.len());
+        Ok(self.host.trim()? + ring)
     }
 }
 
@@ -345,6 +494,8 @@ mod tests {
             fingerprint_chunk: GRAN,
             pin_chunk: GRAN,
             host_limit: None,
+            host_budget: None,
+            spill_dir: None,
         };
         (sim.clone(), BackupStore::new(sim, config))
     }

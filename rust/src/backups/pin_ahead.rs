@@ -121,13 +121,17 @@ pub(super) struct HostRoom {
 }
 
 impl HostRoom {
-    /// Err(OutOfMemory) naming both numbers when pinning `needed` more bytes would pass what the host can give.
-    pub fn check(&self, needed: usize, what: &str) -> Result<()> {
-        let available = [self.driver.host_available(), self.cap]
+    /// What may still be pinned now, if known: the least of the driver's answer and the cap.
+    pub fn available(&self) -> Option<usize> {
+        [self.driver.host_available(), self.cap]
             .into_iter()
             .flatten()
-            .min();
-        match available {
+            .min()
+    }
+
+    /// Err(OutOfMemory) naming both numbers when pinning `needed` more bytes would pass what the host can give.
+    pub fn check(&self, needed: usize, what: &str) -> Result<()> {
+        match self.available() {
             Some(available) if needed > available => Err(Error::OutOfMemory {
                 what: format!(
                     "{what} needs {needed} bytes of host memory but only {available} bytes are available \
@@ -185,6 +189,18 @@ impl BackupStore {
         }
         self.stop_pin_ahead(log);
         self.make_room_for_spare(len, log);
+        // Within the host budget: pin what it allows (the sleep refuses or spills the rest).
+        let len = match self.budget_room() {
+            Some(room) if room < len => {
+                log::debug!("pinning ahead {room} of {len} bytes: the host budget allows no more");
+                self.host.trim()?;
+                room
+            }
+            _ => len,
+        };
+        if len == 0 {
+            return Ok(());
+        }
         let buf = match self.host.take_cached(len) {
             Some(b) if b.unpinned_below(b.len()) == 0 => return self.host.cache(b),
             Some(b) => b,
@@ -225,6 +241,7 @@ impl BackupStore {
         self.stop_pin_ahead(log);
         self.make_room_for_spare(len, log);
         let what = format!("reserve_host({len}), refused,");
+        self.check_budget(len, &what)?;
         let Some(mut buf) = self.host.take_cached(len) else {
             self.host.trim()?;
             self.room.check(len, &what)?;

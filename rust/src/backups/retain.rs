@@ -215,7 +215,8 @@ impl BackupStore {
         let keep = self.retaining();
         let r = &mut self.retention;
         for (addr, backup) in restored {
-            if keep && r.prints.contains_key(&addr) {
+            // File backups are not retained: the next sleep writes them again (file_tier.rs).
+            if keep && backup.in_host() && r.prints.contains_key(&addr) {
                 r.retained.insert(addr, backup);
             } else {
                 r.prints.remove(&addr);

@@ -1,6 +1,8 @@
 //! The engine's configuration: every environment variable the Rust side reads, read once, when an engine is made.
 //! (The README's table of environment variables lists these and the Python-side ones.)
 
+pub use crate::backups::BUDGET_ENV as HOST_BUDGET_ENV;
+pub use crate::backups::SPILL_DIR_ENV;
 use crate::backups::{StoreConfig, DEFAULT_PIN_CHUNK};
 use crate::fingerprint;
 use crate::host_guard::parse_size;
@@ -14,7 +16,7 @@ pub const WAKE_GROUP_ENV: &str = "CUMEM_RS_WAKE_GROUP_BYTES";
 /// `CUMEM_RS_HOST_MEMORY_LIMIT`: a cap on the host memory backups may take (see `crate::host_guard`).
 pub use crate::host_guard::LIMIT_ENV as HOST_MEMORY_LIMIT_ENV;
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct EngineConfig {
     /// Keep backups bound to their allocations across wake (on by default where the fingerprint kernel runs).
     pub retain_backups: bool,
@@ -26,6 +28,10 @@ pub struct EngineConfig {
     pub fingerprint_chunk: usize,
     /// At most this much host memory is pinned for backups (besides what the host and its cgroup allow).
     pub host_memory_limit: Option<usize>,
+    /// At most this much pinned host memory is held for backups at any time (`CUMEM_RS_HOST_BUDGET`).
+    pub host_budget: Option<usize>,
+    /// The file tier's spill directory (`CUMEM_RS_SPILL_DIR`); one that cannot be used is ignored with a warning.
+    pub spill_dir: Option<std::path::PathBuf>,
 }
 
 impl Default for EngineConfig {
@@ -36,6 +42,8 @@ impl Default for EngineConfig {
             pin_chunk: DEFAULT_PIN_CHUNK,
             fingerprint_chunk: fingerprint::DEFAULT_CHUNK,
             host_memory_limit: None,
+            host_budget: None,
+            spill_dir: None,
         }
     }
 }
@@ -69,6 +77,13 @@ impl EngineConfig {
                 log::warn!("{HOST_MEMORY_LIMIT_ENV}={v:?} is not a byte count; ignored");
             }
         }
+        if let Some(v) = var(HOST_BUDGET_ENV) {
+            c.host_budget = parse_size(&v);
+            if c.host_budget.is_none() {
+                log::warn!("{HOST_BUDGET_ENV}={v:?} is not a byte count; ignored");
+            }
+        }
+        c.spill_dir = var(SPILL_DIR_ENV).filter(|v| !v.is_empty()).map(Into::into);
         c
     }
 
@@ -78,6 +93,8 @@ impl EngineConfig {
             fingerprint_chunk: self.fingerprint_chunk,
             pin_chunk: self.pin_chunk,
             host_limit: self.host_memory_limit,
+            host_budget: self.host_budget,
+            spill_dir: self.spill_dir.clone(),
         }
     }
 }
@@ -113,5 +130,12 @@ mod tests {
             with(&[(HOST_MEMORY_LIMIT_ENV, "x")]).host_memory_limit,
             None
         );
+        assert_eq!(with(&[(HOST_BUDGET_ENV, "4G")]).host_budget, Some(4 << 30));
+        assert_eq!(with(&[(HOST_BUDGET_ENV, "some")]).host_budget, None);
+        assert_eq!(
+            with(&[(SPILL_DIR_ENV, "/tmp")]).spill_dir,
+            Some("/tmp".into())
+        );
+        assert_eq!(with(&[(SPILL_DIR_ENV, "")]).spill_dir, None);
     }
 }

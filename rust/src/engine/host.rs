@@ -2,7 +2,7 @@
 //! the lock and hands the work to the store.
 
 use super::Engine;
-use crate::backups::PinAheadStatus;
+use crate::backups::{FaultKind, PinAheadStatus};
 use crate::error::{Error, Result};
 use crate::fingerprint;
 
@@ -24,6 +24,59 @@ impl Engine {
         let mut locked = self.lock_open()?;
         let inner = &mut *locked;
         inner.backups.set_pin_chunk(chunk, &mut inner.log);
+        Ok(())
+    }
+
+    /// Cap the pinned host memory held for backups (`host_bytes()`) at `budget` bytes, or lift the cap (None).
+    /// A sleep whose backup would pass it spills to files where a spill directory is set, else is refused.
+    pub fn set_host_budget(&self, budget: Option<usize>) -> Result<()> {
+        let mut locked = self.lock_open()?;
+        locked.backups.set_host_budget(budget)
+    }
+
+    /// The host budget (`set_host_budget`), if one is set.
+    pub fn host_budget(&self) -> Result<Option<usize>> {
+        Ok(self.lock_open()?.backups.host_budget())
+    }
+
+    /// Set (or with None remove) the file tier's spill directory: an existing directory this process can create
+    /// files in, else InvalidArgument naming it. Backups already in files stay there.
+    pub fn set_spill_dir(&self, path: Option<&std::path::Path>) -> Result<()> {
+        self.lock_open()?.backups.set_spill_dir(path)
+    }
+
+    pub fn spill_dir(&self) -> Result<Option<std::path::PathBuf>> {
+        Ok(self.lock_open()?.backups.spill_dir())
+    }
+
+    /// Size of the file tier's pinned staging ring (default 256 MiB).
+    pub fn set_staging_bytes(&self, bytes: usize) -> Result<()> {
+        self.lock_open()?.backups.set_staging_bytes(bytes)
+    }
+
+    pub fn staging_bytes(&self) -> Result<usize> {
+        Ok(self.lock_open()?.backups.staging_bytes())
+    }
+
+    /// Test hook: the `nth` next spill-file `op` ("write" or "read") fails with `kind` ("short", "enospc", "eio").
+    pub fn inject_spill_fault(&self, op: &str, nth: u64, kind: &str) -> Result<()> {
+        let write = match op {
+            "write" => true,
+            "read" => false,
+            _ => {
+                return Err(Error::invalid(format!(
+                    "op must be \"write\" or \"read\", got {op:?}"
+                )))
+            }
+        };
+        let kind = FaultKind::parse(kind)?;
+        self.lock_open()?
+            .backups
+            .inject_spill_fault(write, nth, kind)
+    }
+
+    pub fn clear_spill_faults(&self) -> Result<()> {
+        self.lock_open()?.backups.clear_spill_faults();
         Ok(())
     }
 

@@ -10,10 +10,14 @@
 //!   memory holds; the simulated device shows poison) or `Zero` (one async memset per allocation, queued on the
 //!   copy stream after the restore copies, so it costs device bandwidth, not host time).
 //!
+//! - `backup_tier`: where its backups go: "host" (pinned host memory), "file" (the spill directory) or "auto"
+//!   (default: host memory up to the host budget, files for the rest; backups/file_tier.rs says why).
+//!
 //! Policies live in the engine, keyed by tag; they outlive the tag's allocations and apply to later ones.
 
 use std::collections::HashMap;
 
+pub use crate::backups::BackupTier;
 use crate::error::{Error, Result};
 use crate::tags::DEFAULT_TAG;
 
@@ -55,6 +59,8 @@ pub struct TagPolicy {
     /// Back up when the releasing call does not say (None: the call's own default, see the module notes).
     pub backup: Option<bool>,
     pub wake_fill: WakeFill,
+    /// Where its backups go: host memory, a spill file, or host up to the budget then files (backups/file_tier.rs).
+    pub backup_tier: BackupTier,
 }
 
 /// Policies by tag; a tag without an entry has the default policy.
@@ -82,6 +88,10 @@ impl Policies {
     /// Whether a pause backs `tag` up: its policy, else yes (a pause never loses data it was not told to).
     pub(super) fn pause_backup(&self, tag: &str) -> bool {
         self.get(tag).backup.unwrap_or(true)
+    }
+
+    pub(super) fn backup_tier(&self, tag: &str) -> BackupTier {
+        self.get(tag).backup_tier
     }
 
     pub(super) fn zero_on_wake(&self, tag: &str) -> bool {
@@ -112,6 +122,7 @@ mod tests {
         let no_backup_zero = TagPolicy {
             backup: Some(false),
             wake_fill: WakeFill::Zero,
+            backup_tier: BackupTier::Auto,
         };
         p.set("kv_cache", no_backup_zero);
         p.set(DEFAULT_TAG, no_backup_zero);

@@ -46,6 +46,9 @@ impl Engine {
             host_backup_bytes: inner.backups.arena_bytes(),
             host_cached_bytes: inner.backups.cached_bytes(),
             host_retained_bytes: inner.backups.retained_bytes(),
+            host_tier_bytes: inner.backups.asleep_bytes(),
+            file_tier_bytes: inner.backups.file_bytes(),
+            staging_bytes: inner.backups.staging_held(),
             retained_allocations: inner.backups.retained_count(),
             mallocs: c.mallocs,
             frees: c.frees,
@@ -89,8 +92,11 @@ impl Engine {
                 }
                 State::Asleep => {
                     t.asleep_bytes += a.size;
-                    if inner.backups.backup_of(a.addr).is_some() {
+                    if let Some(b) = inner.backups.backup_of(a.addr) {
                         t.backup_bytes += a.size;
+                        if !b.in_host() {
+                            t.file_bytes += a.size;
+                        }
                     }
                 }
             }
@@ -124,7 +130,7 @@ impl Engine {
             ))
         })?;
         let mut out = vec![0u8; len];
-        backup.read_at((addr - a.addr) as usize, &mut out);
+        backup.read_at((addr - a.addr) as usize, &mut out)?;
         Ok(Some(out))
     }
 

@@ -5,7 +5,7 @@ use std::time::Instant;
 
 use super::policy::Policies;
 use super::{tag_set, Engine, Inner, Report};
-use crate::backups::{Backup, SleepPrints};
+use crate::backups::{Backup, FileSleep, SleepPrints, THREAD_REFUSED};
 use crate::driver::DevPtr;
 use crate::error::{Error, Result};
 use crate::host::HostBuffer;
@@ -59,14 +59,16 @@ impl Engine {
 
     /// Back up `backed`, then release `backed` and `bare` (awake allocations).
     ///
-    /// Order: synchronize; take the host arena (the last point that may fail with nothing queued); fingerprint
+    /// Order: synchronize; choose each backup's tier (files past the host budget: space, file and staging ring
+    /// had here) and take the host arena (the last points that may fail with nothing queued); fingerprint
     /// every offloaded allocation; queue the backup copies of those without a retained backup (pinning a cold
     /// arena cell by cell meanwhile, or releasing finished cells as it goes into a pinned one); queue the copies
     /// of changed chunks into retained backups; release the allocations that need no backup while those copies
-    /// run; then, as the copies finish, release the backed-up allocations. An allocation is released only once
-    /// its whole backup is known to be on the host, so after any failure each offloaded allocation is either
-    /// awake with its data or asleep with a complete backup. Allocations of other tags are released without
-    /// backup as asked, failure or not.
+    /// run; then, as the copies finish, release the backed-up allocations; then write the file-tier backups
+    /// through the staging ring, releasing each allocation once its bytes are in the file. An allocation is
+    /// released only once its whole backup is known to be on the host or in its file, so after any failure each
+    /// offloaded allocation is either awake with its data or asleep with a complete backup. Allocations of other
+    /// tags are released without backup as asked, failure or not.
     fn sleep_targets(
         &self,
         inner: &mut Inner,
@@ -84,7 +86,17 @@ impl Engine {
         inner.backups.drop_retained(&bare);
         let retained = inner.backups.split_retained(&mut backed);
 
-        // 1. The host arena for the backups made now (the only step that may still return early).
+        // 0. Which of the others go to a spill file (tag policies, the host budget): the directory's space, the
+        //    file and the staging ring are had here, before anything is released.
+        let wanted: Vec<_> = (backed.iter())
+            .map(|addr| {
+                let a = inner.reg.get(*addr).expect("selected");
+                (a.addr, a.device, a.size, inner.policies.backup_tier(&a.tag))
+            })
+            .collect();
+        let (backed, spill) = inner.backups.plan_tiers(&wanted, &mut inner.log)?;
+
+        // 1. The host arena for the backups made now (with step 0, the only steps that may still return early).
         let (jobs, total) = self.sleep_jobs(inner, &backed);
         let arena = match total {
             0 => None,
@@ -138,6 +150,12 @@ impl Engine {
             }
         }
         drop(copies.issued.take()); // after a failure: waits for the copy streams too
+
+        // 6b. The file tier, once the host copies are done (nothing more after a failure): device -> staging ring
+        //     -> file, each allocation released once all its bytes are written.
+        if let Some(plan) = spill.filter(|_| first_err.is_none()) {
+            self.write_files(inner, &plan, &mut report, &mut first_err);
+        }
 
         // 7. Once their changed chunks are on the host, release the allocations with a retained backup.
         self.release_retained(inner, prints, changed_ok, &mut report, &mut first_err);
@@ -218,6 +236,38 @@ impl Engine {
         SleepCopies {
             issued: Some(in_flight),
             cells: Some(CellRelease::new(jobs, cell_size, arena)),
+        }
+    }
+
+    /// Write the file-tier backups of `plan`, releasing each allocation whose backup is complete.
+    fn write_files(
+        &self,
+        inner: &mut Inner,
+        plan: &FileSleep,
+        report: &mut Report,
+        first_err: &mut Option<Error>,
+    ) {
+        let start = Instant::now();
+        let mut copied = 0;
+        let mut refused = None;
+        let written = plan.write_out(&*self.driver, &mut refused, |job, backup| {
+            match self.release_to_sleep(inner, job.addr, Some(backup), report) {
+                Ok(()) => copied += job.size,
+                Err(e) => {
+                    first_err.get_or_insert(e);
+                }
+            }
+        });
+        if let Some(e) = refused {
+            inner.log.record(THREAD_REFUSED, &e);
+        }
+        report.copied_bytes += copied;
+        report.file_seconds += start.elapsed().as_secs_f64();
+        match written {
+            Ok(n) => report.written_bytes += n,
+            Err(e) => {
+                first_err.get_or_insert(e);
+            }
         }
     }
 

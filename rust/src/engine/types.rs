@@ -22,6 +22,11 @@ pub struct Report {
     /// Sleep: seconds spent on fingerprints: queueing them, waiting for them (what did not overlap other
     /// work), comparing them and queueing the changed chunks' copies.
     pub fingerprint_seconds: f64,
+    /// Bytes written to spill files (sleep) or read from them (wake), rounded up to whole I/O blocks on sleep.
+    pub written_bytes: usize,
+    pub read_bytes: usize,
+    /// Seconds of the file tier's pipeline (its rate: written or read bytes over these).
+    pub file_seconds: f64,
     pub seconds: f64,
 }
 
@@ -48,6 +53,11 @@ pub struct Stats {
     pub host_cached_bytes: usize,
     /// Host bytes of backups kept bound to awake allocations (retained backups).
     pub host_retained_bytes: usize,
+    /// Bytes of the backups of asleep allocations per tier: pinned host memory, spill files.
+    pub host_tier_bytes: usize,
+    pub file_tier_bytes: usize,
+    /// Pinned bytes of the file tier's staging ring (outside the host budget; 0 until the file tier is used).
+    pub staging_bytes: usize,
     pub retained_allocations: usize,
     pub mallocs: u64,
     pub frees: u64,
@@ -91,6 +101,8 @@ pub struct TagStatus {
     pub backup_bytes: usize,
     /// Host bytes of retained backups, kept bound to awake allocations after the wake that restored them.
     pub retained_bytes: usize,
+    /// Of `backup_bytes`, those in spill files (the file tier); the rest are in host memory.
+    pub file_bytes: usize,
     pub policy: TagPolicy,
 }
 

@@ -6,6 +6,7 @@
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
 
+use crate::backups::BackupTier;
 use crate::driver::sim::SimCounts;
 use crate::{AllocationInfo, PinAheadStatus, Report, Stats, Status, TagPolicy, TagStatus};
 
@@ -25,6 +26,11 @@ pub(super) fn report_dict<'py>(py: Python<'py>, r: &Report) -> PyResult<Bound<'p
     } else {
         0.0
     };
+    let file_gb_per_s = if r.file_seconds > 0.0 {
+        (r.written_bytes + r.read_bytes) as f64 / r.file_seconds / 1e9
+    } else {
+        0.0
+    };
     Ok(dict!(py, {
         "allocations" => r.allocations,
         "copied_bytes" => r.copied_bytes,
@@ -33,6 +39,10 @@ pub(super) fn report_dict<'py>(py: Python<'py>, r: &Report) -> PyResult<Bound<'p
         "skipped_bytes" => r.skipped_bytes,
         "chunks_checked" => r.chunks_checked,
         "fingerprint_seconds" => r.fingerprint_seconds,
+        "written_bytes" => r.written_bytes,
+        "read_bytes" => r.read_bytes,
+        "file_seconds" => r.file_seconds,
+        "file_gb_per_s" => file_gb_per_s,
         "seconds" => r.seconds,
         "gb_per_s" => gb_per_s,
     }))
@@ -45,17 +55,27 @@ fn optional_report<'py>(
     r.map(|r| report_dict(py, r)).transpose()
 }
 
+/// `backup_tier` added to a policy's dict when it is not the default ("auto"): dicts of tags that never chose a
+/// tier stay as they were before the file tier existed.
+fn with_tier<'py>(d: Bound<'py, PyDict>, p: &TagPolicy) -> PyResult<Bound<'py, PyDict>> {
+    if p.backup_tier != BackupTier::Auto {
+        d.set_item("backup_tier", p.backup_tier.name())?;
+    }
+    Ok(d)
+}
+
 /// `TagPolicy`: the policy of one tag.
 pub(super) fn policy_dict<'py>(py: Python<'py>, p: &TagPolicy) -> PyResult<Bound<'py, PyDict>> {
-    Ok(dict!(py, {
+    let d = dict!(py, {
         "backup" => p.backup,
         "wake_fill" => p.wake_fill.name(),
-    }))
+    });
+    with_tier(d, p)
 }
 
 /// `TagStatus`: one tag of `status()`, its policy included.
 fn tag_status_dict<'py>(py: Python<'py>, t: &TagStatus) -> PyResult<Bound<'py, PyDict>> {
-    Ok(dict!(py, {
+    let d = dict!(py, {
         "allocations" => t.allocations,
         "mapped_bytes" => t.mapped_bytes,
         "asleep_bytes" => t.asleep_bytes,
@@ -64,7 +84,11 @@ fn tag_status_dict<'py>(py: Python<'py>, t: &TagStatus) -> PyResult<Bound<'py, P
         "backup" => t.policy.backup,
         "wake_fill" => t.policy.wake_fill.name(),
         "state" => t.state(),
-    }))
+    });
+    if t.file_bytes > 0 {
+        d.set_item("file_bytes", t.file_bytes)?;
+    }
+    with_tier(d, &t.policy)
 }
 
 /// `Status`: every tag with an allocation or a policy.
@@ -114,6 +138,9 @@ pub(super) fn stats_dict<'py>(py: Python<'py>, s: &Stats) -> PyResult<Bound<'py,
         "host_backup_bytes" => s.host_backup_bytes,
         "host_cached_bytes" => s.host_cached_bytes,
         "host_retained_bytes" => s.host_retained_bytes,
+        "host_tier_bytes" => s.host_tier_bytes,
+        "file_tier_bytes" => s.file_tier_bytes,
+        "staging_bytes" => s.staging_bytes,
         "retained_allocations" => s.retained_allocations,
         "mallocs" => s.mallocs,
         "frees" => s.frees,
