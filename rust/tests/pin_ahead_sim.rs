@@ -6,7 +6,7 @@ mod common;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::{assert_no_leaks, calls, pattern, GRAN};
+use common::{assert_no_leaks, calls, check, fill, GRAN};
 use cumem_rs::driver::Driver;
 use cumem_rs::{Engine, SimConfig, SimDriver};
 
@@ -27,25 +27,6 @@ fn engine_with(host_memory: Option<usize>, delay_ms: u64) -> (Arc<SimDriver>, En
     let e = Engine::new(sim.clone() as Arc<dyn Driver>).unwrap();
     e.set_pin_chunk(CELL).unwrap();
     (sim, e)
-}
-
-/// Two allocations with known data: (addr, len, seed).
-fn fill(e: &Engine, sizes: &[usize]) -> Vec<(u64, usize, u8)> {
-    sizes
-        .iter()
-        .enumerate()
-        .map(|(i, &n)| {
-            let a = e.malloc(n, 0, 0).unwrap();
-            e.write(a, &pattern(i as u8 + 1, n)).unwrap();
-            (a, n, i as u8 + 1)
-        })
-        .collect()
-}
-
-fn check(e: &Engine, allocs: &[(u64, usize, u8)]) {
-    for &(a, n, seed) in allocs {
-        assert_eq!(e.read(a, n).unwrap(), pattern(seed, n), "data of {a:#x}");
-    }
 }
 
 fn wait_until(what: &str, f: impl Fn() -> bool) {

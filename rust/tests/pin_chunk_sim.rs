@@ -5,29 +5,11 @@
 
 mod common;
 
-use common::{assert_no_leaks, calls, engine, pattern, GRAN};
+use common::{assert_no_leaks, calls, check, engine, fill, GRAN};
 use cumem_rs::driver::Op;
-use cumem_rs::Engine;
 
 fn page() -> usize {
     rustix::param::page_size()
-}
-
-/// Allocations of unequal sizes with known data: (addr, len, seed).
-fn fill(e: &Engine, sizes: &[usize]) -> Vec<(u64, usize, u8)> {
-    (sizes.iter().enumerate())
-        .map(|(i, &n)| {
-            let a = e.malloc(n, 0, 0).unwrap();
-            e.write(a, &pattern(i as u8 + 1, n)).unwrap();
-            (a, n, i as u8 + 1)
-        })
-        .collect()
-}
-
-fn check(e: &Engine, allocs: &[(u64, usize, u8)]) {
-    for &(a, n, seed) in allocs {
-        assert_eq!(e.read(a, n).unwrap(), pattern(seed, n), "data of {a:#x}");
-    }
 }
 
 #[test]

@@ -29,6 +29,24 @@ pub fn pattern(seed: u8, len: usize) -> Vec<u8> {
         .collect()
 }
 
+/// Allocations of the given sizes with known data: (addr, len, seed).
+pub fn fill(e: &Engine, sizes: &[usize]) -> Vec<(u64, usize, u8)> {
+    (sizes.iter().enumerate())
+        .map(|(i, &n)| {
+            let a = e.malloc(n, 0, 0).unwrap();
+            e.write(a, &pattern(i as u8 + 1, n)).unwrap();
+            (a, n, i as u8 + 1)
+        })
+        .collect()
+}
+
+/// The data `fill` wrote is there.
+pub fn check(e: &Engine, allocs: &[(u64, usize, u8)]) {
+    for &(a, n, seed) in allocs {
+        assert_eq!(e.read(a, n).unwrap(), pattern(seed, n), "data of {a:#x}");
+    }
+}
+
 pub fn assert_no_leaks(sim: &SimDriver) {
     let c = sim.counts();
     assert_eq!(
