@@ -24,11 +24,11 @@ use std::sync::{Arc, Mutex};
 use std::thread::Scope;
 
 use super::spill_file::{FaultKind, SpillDir, SpillFile, SpillIo, IO_ALIGN};
-use super::staging::{SlotMem, StagingRing};
 use super::{Backup, BackupStore};
 use crate::driver::{DevPtr, Driver};
 use crate::error::{Error, Result};
 use crate::error_log::ErrorLog;
+use crate::host::staging::{SlotMem, StagingRing};
 
 /// Where a tag's backups go.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -325,7 +325,7 @@ impl BackupStore {
 
     /// Pinned bytes of the staging ring now (0 until the file tier is first used, and after `trim`).
     pub fn staging_held(&self) -> usize {
-        self.ring.as_ref().map_or(0, |r| r.len())
+        self.ring.as_ref().map_or(0, |r| r.bytes())
     }
 
     /// Bytes of the backups of asleep allocations that are in files.

@@ -18,7 +18,6 @@ mod file_tier;
 mod pin_ahead;
 mod retain;
 mod spill_file;
-mod staging;
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -28,6 +27,8 @@ use crate::error::Result;
 use crate::error_log::ErrorLog;
 use crate::host::{HostBuffer, HostPool};
 
+use crate::host::staging::StagingRing;
+pub use crate::host::staging::DEFAULT_STAGING_BYTES;
 pub use budget::BUDGET_ENV;
 pub use file_tier::{BackupTier, FileJob, FileSleep};
 use pin_ahead::HostRoom;
@@ -35,8 +36,6 @@ pub use pin_ahead::PinAheadStatus;
 pub use retain::SleepPrints;
 pub use spill_file::{FaultKind, SPILL_DIR_ENV};
 use spill_file::{Faults, PosixIo, SpillDir, SpillFile};
-use staging::StagingRing;
-pub use staging::DEFAULT_STAGING_BYTES;
 
 /// Host arena cell pinned at a time during a cold sleep: large enough that per-call overheads vanish, small
 /// enough that the first copies start early.
@@ -469,7 +468,7 @@ impl BackupStore {
     pub fn trim(&mut self, log: &mut ErrorLog) -> Result<usize> {
         self.stop_pin_ahead(log);
         self.drop_all_retained(log);
-        let ring = self.ring.take().map_or(0, |r| r.len());
+        let ring = self.ring.take().map_or(0, |r| r.bytes());
         Ok(self.host.trim()? + ring)
     }
 }

@@ -19,8 +19,7 @@ use rustix::io::Errno;
 
 use crate::error::{Error, Result};
 
-/// File offsets and I/O lengths are multiples of this (O_DIRECT wants the logical block size; 4 KiB covers it).
-pub const IO_ALIGN: usize = 4096;
+pub use crate::host::staging::IO_ALIGN;
 
 /// The environment variable read into the engine's configuration.
 pub const SPILL_DIR_ENV: &str = "CUMEM_RS_SPILL_DIR";

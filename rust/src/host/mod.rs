@@ -17,6 +17,7 @@ mod memory;
 mod pieces;
 mod pinning;
 mod pool;
+pub mod staging;
 mod threads;
 
 use std::sync::Arc;

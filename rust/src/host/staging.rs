@@ -1,16 +1,19 @@
-//! The staging ring of the file tier: a bounded piece of pinned host memory (default 256 MiB, never a full-size
+//! The staging ring of the backup store's file tier: a bounded piece of pinned host memory (default 256 MiB, never a full-size
 //! copy of what goes to files) cut into slots. A slot holds one chunk on its way device -> slot -> file at sleep
-//! and file -> slot -> device at wake; the pipelines of file_tier.rs hand each slot to one party at a time (the
-//! copy engine, one writer or reader thread), which is what makes the byte views below sound.
+//! and file -> slot -> device at wake; the pipelines of `backups/file_tier.rs` hand each slot to one party at a time
+//! (the copy engine, one writer or reader thread), which is what makes the byte views below sound. It lives with
+//! the host memory it is made of, so that its `unsafe` stays in the host-memory modules.
 //!
 //! Slots are page-aligned and a multiple of `IO_ALIGN` long, as `O_DIRECT` wants.
 
 use std::sync::Arc;
 
-use super::spill_file::IO_ALIGN;
+use super::HostBuffer;
 use crate::driver::{DevPtr, Driver};
 use crate::error::{Error, Result};
-use crate::host::HostBuffer;
+
+/// Slot alignment and length unit: the largest logical block size `O_DIRECT` asks of the file systems in use.
+pub const IO_ALIGN: usize = 4096;
 
 /// The ring's default size.
 pub const DEFAULT_STAGING_BYTES: usize = 256 << 20;
@@ -44,7 +47,8 @@ impl StagingRing {
         (slot, (bytes / slot).clamp(1, SLOTS))
     }
 
-    pub(super) fn len(&self) -> usize {
+    /// Bytes of pinned host memory the ring holds.
+    pub fn bytes(&self) -> usize {
         self.buf.len()
     }
 
