@@ -49,7 +49,7 @@ pub use crate::backups::PinAheadStatus;
 pub use config::EngineConfig;
 use pending::PendingReleases;
 use policy::Policies;
-pub use policy::{TagPolicy, WakeFill};
+pub use policy::{BackupTier, TagPolicy, WakeFill};
 pub use types::{AllocationInfo, Counters, Report, Stats, Status, TagStatus};
 
 static NEXT_ENGINE_ID: AtomicU64 = AtomicU64::new(1);

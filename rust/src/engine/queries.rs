@@ -3,7 +3,7 @@
 
 use std::collections::BTreeMap;
 
-use super::{tag_set, AllocationInfo, Engine, Stats, Status, TagPolicy, TagStatus};
+use super::{tag_set, AllocationInfo, BackupTier, Engine, Stats, Status, TagPolicy, TagStatus};
 use crate::driver::DevPtr;
 use crate::error::{Error, Result};
 use crate::registry::State;
@@ -135,14 +135,19 @@ impl Engine {
     }
 
     /// Bytes of the arena a sleep offloading `tags` would need now: their awake allocations, except those of
-    /// tags whose policy is not to back up and those with a retained backup (which need no new arena). What to
+    /// tags whose policy is not to back up or backs up to files, and those with a retained backup (which need no
+    /// new arena). What to
     /// pin ahead when the allocations of those tags have been made.
     pub fn backup_bytes_of<S: AsRef<str>>(&self, tags: &[S]) -> Result<usize> {
         let wanted = tag_set(tags);
         let inner = self.lock_open()?;
         Ok((inner.reg.iter())
             .filter(|a| a.is_awake() && wanted.contains(&*a.tag))
-            .filter(|a| inner.policies.pause_backup(&a.tag) && !inner.backups.is_retained(a.addr))
+            .filter(|a| {
+                inner.policies.pause_backup(&a.tag)
+                    && inner.policies.backup_tier(&a.tag) != BackupTier::File
+                    && !inner.backups.is_retained(a.addr)
+            })
             .map(|a| a.size)
             .sum())
     }
