@@ -272,12 +272,15 @@ def test_a_bad_value_is_a_clear_error_naming_the_variable(saver, sim, monkeypatc
     assert saver._alloc is not None
 
 
-def test_tms_disk_backup_dir_that_cannot_be_used_names_the_variable(saver, tmp_path, monkeypatch):
+def test_tms_disk_backup_dir_that_cannot_be_used_names_the_variable(saver, sim, tmp_path, monkeypatch):
     blocker = tmp_path / "a_file"
     blocker.write_text("")
     monkeypatch.setenv("TMS_DISK_BACKUP_DIR", str(blocker / "below"))
-    with pytest.raises(CumemValueError, match="TMS_DISK_BACKUP_DIR"):
-        saver._ensure_initialized()
+    monkeypatch.setenv("TMS_RETAIN_CPU_BACKUP", "0")
+    for _ in range(2):  # refused, and refused again: nothing was half set up
+        with pytest.raises(CumemValueError, match="TMS_DISK_BACKUP_DIR"):
+            saver._ensure_initialized()
+    assert saver._alloc is None and sim.keep_host_memory() is True and sim.spill_dir is None
 
 
 def test_both_init_backups_are_refused(saver, monkeypatch):

@@ -107,9 +107,8 @@ class TorchMemorySaver:
         self._memory_margin_bytes = 0
         # Every tag a region or graph of this object used, with its backup (one setting per tag).
         self._tags: dict[str, str] = {}
-        # The spill directory disk-backup regions use: set_disk_backup_dir, else TMS_DISK_BACKUP_DIR, else the
-        # system temp directory (torch_memory_saver's /tmp); applied to the allocator when first needed.
-        self._disk_dir: Optional[str] = None
+        # Whether the spill directory of disk-backup regions is set: by set_disk_backup_dir or TMS_DISK_BACKUP_DIR;
+        # else the first disk-backup region sets the system temp directory (torch_memory_saver's /tmp).
         self._disk_dir_applied = False
         # Our pools standing in for graph pool tokens of torch's own pools, per (token, device), and the tokens of
         # our pools (what CUDAGraph.pool() returns after a capture here), which are used as they are.
@@ -135,34 +134,25 @@ class TorchMemorySaver:
                 from .allocator import CuMemAllocator
 
                 alloc = CuMemAllocator.get_instance()
-            # torch_memory_saver's default: the backup's host memory goes back to the OS at resume.
-            alloc.native.set_keep_host_memory(env.retain_cpu_backup)
+            # What can fail goes first, so that a refused set-up leaves the allocator as it was.
+            if env.disk_backup_dir is not None:
+                _apply_disk_dir(alloc, env.disk_backup_dir, "TMS_DISK_BACKUP_DIR")
+                self._disk_dir_applied = True
             if env.disk_backup_chunk_mb is not None:
                 try:
                     alloc.set_staging_bytes(env.disk_backup_chunk_mb << 20)
                 except (ValueError, OverflowError) as e:
                     raise CumemValueError(f"TMS_DISK_BACKUP_CHUNK_MB={env.disk_backup_chunk_mb}: {e}") from e
+            # torch_memory_saver's default: the backup's host memory goes back to the OS at resume.
+            alloc.native.set_keep_host_memory(env.retain_cpu_backup)
             self._env = env
             self._alloc = alloc
-            if env.disk_backup_dir is not None and self._disk_dir is None:
-                self._apply_disk_dir(env.disk_backup_dir, "TMS_DISK_BACKUP_DIR")
 
     def _allocator(self) -> "Backend":
         """The allocator, after `_ensure_initialized` (raises CumemError without a usable GPU)."""
         self._ensure_initialized()
         assert self._alloc is not None
         return self._alloc
-
-    def _apply_disk_dir(self, path: str, name: str) -> None:
-        """Make `path` the allocator's spill directory (created if needed, as there); a ValueError names `name`."""
-        assert self._alloc is not None
-        try:
-            os.makedirs(path, exist_ok=True)
-            self._alloc.set_spill_dir(path)
-        except (OSError, ValueError) as e:
-            raise CumemValueError(f"{name}={path!r} cannot hold disk backups: {e}") from e
-        self._disk_dir = path
-        self._disk_dir_applied = True
 
     def _use_tag(self, alloc: "Backend", tag: str, backup: str) -> None:
         """Record that `tag` holds memory with this backup and set its policy the first time."""
@@ -175,7 +165,8 @@ class TorchMemorySaver:
                 )
             if known is None:
                 if backup == _DISK and not self._disk_dir_applied:
-                    self._apply_disk_dir(tempfile.gettempdir(), "the disk backup directory (system temp)")
+                    _apply_disk_dir(alloc, tempfile.gettempdir(), "the disk backup directory (system temp)")
+                    self._disk_dir_applied = True
                 # Keep a wake_fill (and, but for disk backup, a tier) set ahead through set_tag_policy.
                 policy = alloc.native.tag_policy(tag)
                 tier = "file" if backup == _DISK else policy.get("backup_tier", "auto")
@@ -380,8 +371,8 @@ class TorchMemorySaver:
         and the directory looks empty. CumemValueError naming the path when it cannot be used."""
         if not isinstance(path, (str, os.PathLike)):
             raise CumemTypeError(f"path must be a str or os.PathLike, got {type(path).__name__}")
-        self._ensure_initialized()
-        self._apply_disk_dir(os.fspath(path), "path")
+        _apply_disk_dir(self._allocator(), os.fspath(path), "path")
+        self._disk_dir_applied = True
 
     # -- backups --------------------------------------------------------------------------------------------------
 
@@ -416,6 +407,15 @@ class TorchMemorySaver:
             raise CumemValueError(f"tensor at {ptr:#x} ({nbytes} bytes) is not memory of a region: {e}") from e
         except CumemError as e:
             raise CumemError(f"tensor at {ptr:#x} was paused without CPU backup: {e}") from e
+
+
+def _apply_disk_dir(alloc: "Backend", path: str, name: str) -> None:
+    """Make `path` the allocator's spill directory (created if needed, as there); a ValueError names `name`."""
+    try:
+        os.makedirs(path, exist_ok=True)
+        alloc.set_spill_dir(path)
+    except (OSError, ValueError) as e:
+        raise CumemValueError(f"{name}={path!r} cannot hold disk backups: {e}") from e
 
 
 def _describe(backup: str) -> str:
