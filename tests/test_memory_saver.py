@@ -1,7 +1,8 @@
 """cumem_rs.memory_saver without a GPU: the torch_memory_saver 0.0.10 API is all there, bad arguments and what is
 not implemented raise at the call, and a machine without a GPU gets a clear error instead of a crash.
 
-The behaviour on a GPU (regions, pause/resume, graphs, disable, backups) is in test_memory_saver_cuda.py.
+The behaviour on a GPU (regions, pause/resume, graphs, disable, backups) is in test_memory_saver_cuda.py; pause,
+resume, backups and the TMS_* environment over the simulated device in test_memory_saver_sim.py.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ TMS_0_0_10_METHODS = {
     "resume": [("tag", None)],
     "get_cpu_backup": [("x", inspect.Parameter.empty), ("zero_copy", False)],
     "set_disk_backup_dir": [("path", inspect.Parameter.empty)],
+    "_ensure_initialized": [],
 }
 TMS_0_0_10_PROPERTIES = ["enabled", "hook_mode", "memory_margin_bytes", "retain_cpu_backup"]
 
@@ -60,11 +62,12 @@ def saver() -> TorchMemorySaver:
     return TorchMemorySaver()
 
 
-def test_disk_backup_is_refused_at_the_call_naming_the_alternative(saver):
-    with pytest.raises(NotImplementedError, match="enable_cpu_backup=True"):
-        saver.region(tag="weights", enable_disk_backup=True)
-    with pytest.raises(NotImplementedError, match="enable_cpu_backup=True"):
-        saver.set_disk_backup_dir("/tmp/somewhere")
+def test_disk_backup_arguments_are_checked_at_the_call(saver):
+    # Disk backup is the file tier now (test_memory_saver_sim.py); what is refused is refused before any set-up.
+    with pytest.raises(ValueError, match="mutually exclusive"):
+        saver.region(tag="weights", enable_cpu_backup=True, enable_disk_backup=True)
+    with pytest.raises(TypeError, match="path"):
+        saver.set_disk_backup_dir(7)  # type: ignore[arg-type]
     assert saver._alloc is None, "refusing must not initialise the allocator"
 
 

@@ -7,6 +7,8 @@ singleton; the autouse fixture wakes whatever a failing test left paused.
 
 from __future__ import annotations
 
+import os
+from collections.abc import Iterator
 from typing import Optional
 
 import pytest
@@ -28,8 +30,17 @@ MiB = 1 << 20
 
 
 @pytest.fixture
-def saver() -> TorchMemorySaver:
-    return TorchMemorySaver()
+def saver(cumem) -> Iterator[TorchMemorySaver]:
+    """A fresh saver. Initialising one sets the process-wide keep_host_memory to its retain_cpu_backup (False,
+    torch_memory_saver's default): restored afterwards, so that the other modules see the allocator's default."""
+    keep = cumem.native.keep_host_memory()
+    yield TorchMemorySaver()
+    cumem.native.set_keep_host_memory(keep)
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
 
 
 def _tag_of(cumem, tensor) -> Optional[str]:
@@ -222,7 +233,8 @@ def test_zero_wake_fill_is_visible_to_torch(cumem, saver):
     cumem.set_tag_policy("tms_zero_kv", wake_fill="zero")  # set ahead; the region keeps it
     with saver.region("tms_zero_kv"):
         kv = torch.full((16 * MiB,), 9, dtype=torch.uint8, device="cuda")
-    assert cumem.native.tag_policy("tms_zero_kv") == {"backup": False, "wake_fill": "zero"}
+    policy = cumem.native.tag_policy("tms_zero_kv")
+    assert (policy["backup"], policy["wake_fill"]) == (False, "zero")
     saver.pause("tms_zero_kv")
     saver.resume("tms_zero_kv")
     assert torch.count_nonzero(kv).item() == 0, "memory woken without backup is not zero"
@@ -253,19 +265,65 @@ def test_memory_margin_refuses_resume_and_maps_nothing(cumem, saver):
 
 
 def test_retain_cpu_backup_is_keep_host_memory(cumem, saver):
-    assert saver.retain_cpu_backup is True, "kept by default here (torch_memory_saver: False)"
+    assert saver.retain_cpu_backup is False, "off by default, as in torch_memory_saver"
+    assert cumem.native.keep_host_memory() is False
+    with saver.region("tms_retain", enable_cpu_backup=True):
+        t = _bytes(16 * MiB, seed=8)
+    ref = t.cpu()
+    saver.pause("tms_retain")
+    assert cumem.native.host_bytes() >= 16 * MiB
+    saver.resume("tms_retain")
+    assert cumem.native.host_bytes() == 0, "host backup memory kept although retain_cpu_backup is False"
+    assert saver.get_cpu_backup(t) is None
+
+    saver.retain_cpu_backup = True  # retained backups: the next pause of unchanged memory copies nothing
+    assert cumem.native.keep_host_memory() is True
+    saver.pause("tms_retain")
+    saver.resume("tms_retain")
+    report = cumem.native.pause("tms_retain")
+    assert (report["copied_bytes"], report["skipped_bytes"]) == (0, 16 * MiB)
+    saver.resume("tms_retain")
+    assert torch.equal(t.cpu(), ref)
+    del t
+
+
+@pytest.mark.parametrize("backend", ["pinned", "mmap"])
+def test_resume_returns_the_cpu_backup_to_the_os(cumem, saver, backend):
+    """torch_memory_saver's test_cpu_backup_rss: RSS grows by the paused bytes at pause and drops by them at a
+    resume that does not retain the backup (both backends are mmap'd memory here, unmapped when released)."""
+    n, tolerance = 2 << 30, 256 * MiB
+    cumem.native.trim_host()  # no cached arena from earlier tests in the figures
+    with saver.region(f"tms_rss_{backend}", enable_cpu_backup=True, cpu_backup_backend=backend):
+        t = torch.full((n,), 7, dtype=torch.uint8, device="cuda")
+    torch.cuda.synchronize()
+    rss_alloc = _rss_bytes()
+    saver.pause(f"tms_rss_{backend}")
+    rss_pause = _rss_bytes()
+    saver.resume(f"tms_rss_{backend}")
+    rss_resume = _rss_bytes()
+    assert int(t[0].item()) == 7 and int(t[-1].item()) == 7
+    assert rss_pause - rss_alloc >= n - tolerance, rss_pause - rss_alloc
+    assert rss_resume - rss_pause <= -(n - tolerance), rss_resume - rss_pause
+    del t
+
+
+def test_disk_backup_restores_bit_identical_data(cumem, saver, tmp_path):
+    saver.set_disk_backup_dir(str(tmp_path))
     try:
-        saver.retain_cpu_backup = False
-        assert cumem.native.keep_host_memory() is False
-        with saver.region("tms_retain", enable_cpu_backup=True):
-            t = _bytes(16 * MiB, seed=8)
-        saver.pause("tms_retain")
-        assert cumem.native.host_bytes() >= 16 * MiB
-        saver.resume("tms_retain")
-        assert cumem.native.host_bytes() == 0, "host backup memory kept although retain_cpu_backup is False"
-        del t
+        with saver.region("tms_disk", enable_disk_backup=True):
+            big = torch.randn((1 << 20) * 13 // 4 + 12345, device="cuda")
+        with saver.region("tms_disk_none"):
+            none = torch.full((20 * MiB,), 20, dtype=torch.uint8, device="cuda")
+        ref = big.cpu()
+        for _ in range(3):
+            saver.pause()
+            assert cumem.native.stats()["file_tier_bytes"] >= big.numel() * 4
+            saver.resume()
+            assert torch.equal(big.cpu(), ref)
+        del big, none
+        assert os.listdir(tmp_path) == [], "backup files are unlinked at creation"
     finally:
-        saver.retain_cpu_backup = True
+        cumem.set_spill_dir(None)  # the spill directory is process-wide: leave none to later tests
 
 
 def test_get_cpu_backup_refuses_what_is_not_a_region(saver):

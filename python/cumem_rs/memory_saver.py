@@ -9,41 +9,49 @@ that API is accepted, and the calls do what they do there, over `CuMemAllocator`
   of this object used when `tag` is None;
 * `cuda_graph(...)`: `torch.cuda.graph(...)` capturing into a pool of ours under `tag`, so graph memory pauses
   too and replays are valid after resume (addresses never change);
-* `disable()`: allocations inside go to torch's own allocator, as there.
+* `disable()`: allocations inside go to torch's own allocator, as there;
+* `enable_disk_backup` / `set_disk_backup_dir`: the tag's backups go to the file tier (`backup_tier="file"`,
+  `set_spill_dir`);
+* `retain_cpu_backup` (False by default, as there): the allocator's `set_keep_host_memory`; without it a resume
+  returns the backup's host memory to the OS;
+* the `TMS_*` environment variables, read when the saver initialises (`_tms_env.py`).
 
-Where torch_memory_saver exits the process (a CUDA error, pausing a paused tag, an unknown tensor), this raises
-a Python exception instead; what is not implemented (disk backup) raises `NotImplementedError` at the call,
-naming the alternative. The README section "Switching from torch_memory_saver" lists every difference.
+Where torch_memory_saver exits the process (a CUDA error, pausing a paused tag, an unknown tensor, a bad
+environment value), this raises a Python exception instead; what is not implemented (the preload hook that
+`TMS_INIT_ENABLE=1` needs) raises `NotImplementedError` naming it. The README section "Switching from
+torch_memory_saver" lists every difference.
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
+import os
+import tempfile
 import threading
 from collections import defaultdict
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any, Literal, Optional
+from typing import TYPE_CHECKING, Any, Literal, Optional, Union
 
 import torch
 
 from ._native import CumemError, CumemOutOfMemoryError, CumemTypeError, CumemValueError
 from ._pools import check_tag, new_pool, pool_activity, pool_block
+from ._tms_env import CPU_BACKUP_BACKENDS, TmsEnv, read_tms_env
 
 if TYPE_CHECKING:
+    from ._sim_pools import SimulatedPools
     from .allocator import CuMemAllocator
+
+    Backend = Union[CuMemAllocator, SimulatedPools]
 
 HookMode = Literal["preload", "torch"]
 CpuBackupBackend = Literal["mmap", "pinned"]
 
 _TAG_DEFAULT = "default"
 _HOOK_MODES = ("preload", "torch")
-_CPU_BACKUP_BACKENDS = ("mmap", "pinned")
-_NO_DISK_BACKUP = (
-    "disk backup is not implemented by cumem_rs.memory_saver; use enable_cpu_backup=True instead (paused memory "
-    "is kept in pinned host memory and restored at resume), or leave it off for memory that may come back "
-    "undefined"
-)
+#: A tag's backup, one per tag: none (undefined after resume), host memory, or files in the spill directory.
+_NONE, _CPU, _DISK = "none", "cpu", "disk"
 
 
 def _check_flag(value: object, name: str) -> bool:
@@ -52,19 +60,20 @@ def _check_flag(value: object, name: str) -> bool:
     return value
 
 
-def _check_backup_args(enable_cpu_backup: object, enable_disk_backup: object, cpu_backup_backend: object) -> bool:
-    """Validate the backup arguments of region/cuda_graph up front; returns enable_cpu_backup."""
+def _check_backup_args(enable_cpu_backup: object, enable_disk_backup: object, cpu_backup_backend: object) -> str:
+    """Validate the backup arguments of region/cuda_graph up front; returns the backup (_NONE, _CPU or _DISK)."""
     cpu = _check_flag(enable_cpu_backup, "enable_cpu_backup")
-    if _check_flag(enable_disk_backup, "enable_disk_backup"):
-        raise NotImplementedError(_NO_DISK_BACKUP)
+    disk = _check_flag(enable_disk_backup, "enable_disk_backup")
     if cpu_backup_backend is not None:
-        if cpu_backup_backend not in _CPU_BACKUP_BACKENDS:
+        if cpu_backup_backend not in CPU_BACKUP_BACKENDS:
             raise CumemValueError(
-                f"cpu_backup_backend must be one of {_CPU_BACKUP_BACKENDS} or None, got {cpu_backup_backend!r}"
+                f"cpu_backup_backend must be one of {CPU_BACKUP_BACKENDS} or None, got {cpu_backup_backend!r}"
             )
         if not cpu:
             raise CumemValueError("cpu_backup_backend requires enable_cpu_backup=True")
-    return cpu
+    if cpu and disk:
+        raise CumemValueError("enable_cpu_backup and enable_disk_backup are mutually exclusive")
+    return _CPU if cpu else _DISK if disk else _NONE
 
 
 def _pool_key(pool: object) -> tuple[int, int]:
@@ -78,7 +87,7 @@ def _pool_key(pool: object) -> tuple[int, int]:
 
 @contextlib.contextmanager
 def configure_subprocess() -> Iterator[None]:
-    """torch_memory_saver sets LD_PRELOAD for child processes here; cumem_rs needs no preloading (it hooks
+    """torch_memory_saver sets LD_PRELOAD for child processes here; cumem_rs has no preload library yet (it hooks
     allocations through torch's pluggable allocator in each process), so this does nothing."""
     yield
 
@@ -86,13 +95,21 @@ def configure_subprocess() -> Iterator[None]:
 class TorchMemorySaver:
     """The API of torch_memory_saver 0.0.10 over `CuMemAllocator`. Use the module's `torch_memory_saver`."""
 
-    def __init__(self) -> None:
+    def __init__(self, _backend: Optional["Backend"] = None) -> None:
         self._lock = threading.Lock()
-        self._alloc: Optional[CuMemAllocator] = None
+        self._init_lock = threading.Lock()
+        # `_backend`: what to run over instead of the process-wide CuMemAllocator (a SimulatedPools in CPU-only
+        # tests); `_alloc` is set once the saver has initialised (`_ensure_initialized`).
+        self._backend = _backend
+        self._alloc: Optional[Backend] = None
+        self._env = TmsEnv()
         self._hook_mode: HookMode = "preload"
         self._memory_margin_bytes = 0
-        # Every tag a region or graph of this object used, with its enable_cpu_backup (one setting per tag).
-        self._tags: dict[str, bool] = {}
+        # Every tag a region or graph of this object used, with its backup (one setting per tag).
+        self._tags: dict[str, str] = {}
+        # Whether the spill directory of disk-backup regions is set: by set_disk_backup_dir or TMS_DISK_BACKUP_DIR;
+        # else the first disk-backup region sets the system temp directory (torch_memory_saver's /tmp).
+        self._disk_dir_applied = False
         # Our pools standing in for graph pool tokens of torch's own pools, per (token, device), and the tokens of
         # our pools (what CUDAGraph.pool() returns after a capture here), which are used as they are.
         self._graph_pools: dict[tuple[tuple[int, int], int], Any] = {}
@@ -100,28 +117,61 @@ class TorchMemorySaver:
 
     # -- set-up ---------------------------------------------------------------------------------------------------
 
-    def _allocator(self) -> "CuMemAllocator":
-        """The process-wide CuMemAllocator, created on first use (raises CumemError without a usable GPU)."""
-        if self._alloc is None:
-            from .allocator import CuMemAllocator
+    def _ensure_initialized(self) -> None:
+        """Read the `TMS_*` environment and set up the allocator, once (later calls return at once), as
+        torch_memory_saver does on its first use. Raises CumemValueError naming a variable with a bad value,
+        NotImplementedError for TMS_INIT_ENABLE=1 (the preload hook), CumemError without a usable GPU; after a
+        failure the next call tries again."""
+        if self._alloc is not None:
+            return
+        with self._init_lock:
+            if self._alloc is not None:
+                return
+            env = read_tms_env(os.environ)
+            if self._backend is not None:
+                alloc = self._backend
+            else:
+                from .allocator import CuMemAllocator
 
-            self._alloc = CuMemAllocator.get_instance()
+                alloc = CuMemAllocator.get_instance()
+            # What can fail goes first, so that a refused set-up leaves the allocator as it was.
+            if env.disk_backup_dir is not None:
+                _apply_disk_dir(alloc, env.disk_backup_dir, "TMS_DISK_BACKUP_DIR")
+                self._disk_dir_applied = True
+            if env.disk_backup_chunk_mb is not None:
+                try:
+                    alloc.set_staging_bytes(env.disk_backup_chunk_mb << 20)
+                except (ValueError, OverflowError) as e:
+                    raise CumemValueError(f"TMS_DISK_BACKUP_CHUNK_MB={env.disk_backup_chunk_mb}: {e}") from e
+            # torch_memory_saver's default: the backup's host memory goes back to the OS at resume.
+            alloc.native.set_keep_host_memory(env.retain_cpu_backup)
+            self._env = env
+            self._alloc = alloc
+
+    def _allocator(self) -> "Backend":
+        """The allocator, after `_ensure_initialized` (raises CumemError without a usable GPU)."""
+        self._ensure_initialized()
+        assert self._alloc is not None
         return self._alloc
 
-    def _use_tag(self, alloc: "CuMemAllocator", tag: str, cpu_backup: bool) -> None:
-        """Record that `tag` holds memory with (or without) CPU backup and set its policy the first time."""
+    def _use_tag(self, alloc: "Backend", tag: str, backup: str) -> None:
+        """Record that `tag` holds memory with this backup and set its policy the first time."""
         with self._lock:
             known = self._tags.get(tag)
-            if known is not None and known != cpu_backup:
+            if known is not None and known != backup:
                 raise CumemValueError(
-                    f"tag {tag!r} was already used with enable_cpu_backup={known}; cumem_rs keeps one backup setting "
-                    f"per tag, so use another tag for memory {'with' if cpu_backup else 'without'} CPU backup"
+                    f"tag {tag!r} was already used with {_describe(known)}; cumem_rs keeps one backup setting "
+                    f"per tag, so use another tag for memory with {_describe(backup)}"
                 )
             if known is None:
-                # Keep a wake_fill set ahead through CuMemAllocator.set_tag_policy; only the backup is ours to set.
-                fill = alloc.native.tag_policy(tag)["wake_fill"]
-                alloc.set_tag_policy(tag, backup=cpu_backup, wake_fill=fill)
-                self._tags[tag] = cpu_backup
+                if backup == _DISK and not self._disk_dir_applied:
+                    _apply_disk_dir(alloc, tempfile.gettempdir(), "the disk backup directory (system temp)")
+                    self._disk_dir_applied = True
+                # Keep a wake_fill (and, but for disk backup, a tier) set ahead through set_tag_policy.
+                policy = alloc.native.tag_policy(tag)
+                tier = "file" if backup == _DISK else policy.get("backup_tier", "auto")
+                alloc.set_tag_policy(tag, backup=backup != _NONE, wake_fill=policy["wake_fill"], backup_tier=tier)
+                self._tags[tag] = backup
 
     def _tags_of(self, tag: Optional[str]) -> list[str]:
         """The tags a pause/resume acts on: `tag`, or every tag this object used."""
@@ -140,17 +190,18 @@ class TorchMemorySaver:
         cpu_backup_backend: Optional[CpuBackupBackend] = None,
     ) -> contextlib.AbstractContextManager[None]:
         """Allocate the tensors created on this thread inside the block under `tag`, pausable. With
-        `enable_cpu_backup` their contents are copied to host memory at pause and restored at resume; without,
-        they come back undefined. `cpu_backup_backend` ("pinned" or "mmap") is accepted: backups here are always
-        mmap'd host memory pinned for fast copies. Disk backup raises NotImplementedError (use CPU backup)."""
+        `enable_cpu_backup` their contents are copied to host memory at pause and restored at resume, with
+        `enable_disk_backup` (exclusive with it) to files in the disk backup directory; without either, they come
+        back undefined. `cpu_backup_backend` ("pinned" or "mmap") is accepted: backups here are always mmap'd host
+        memory pinned for fast copies and unmapped when released."""
         check_tag(tag)
-        cpu = _check_backup_args(enable_cpu_backup, enable_disk_backup, cpu_backup_backend)
-        return self._region(tag, cpu)
+        backup = _check_backup_args(enable_cpu_backup, enable_disk_backup, cpu_backup_backend)
+        return self._region(tag, backup)
 
     @contextlib.contextmanager
-    def _region(self, tag: str, cpu_backup: bool) -> Iterator[None]:
+    def _region(self, tag: str, backup: str) -> Iterator[None]:
         alloc = self._allocator()
-        self._use_tag(alloc, tag, cpu_backup)
+        self._use_tag(alloc, tag, backup)
         with alloc.use_memory_pool(tag):
             yield
 
@@ -171,9 +222,9 @@ class TorchMemorySaver:
         (`torch.cuda.graph_pool_handle()`) is replaced by one pool of ours per token and device, so graphs that
         shared the token still share memory. Replays are valid after resume: addresses never change."""
         check_tag(tag)
-        cpu = _check_backup_args(enable_cpu_backup, False, cpu_backup_backend)
+        backup = _check_backup_args(enable_cpu_backup, False, cpu_backup_backend)
         key = None if pool is None else _pool_key(pool)
-        return self._cuda_graph(cuda_graph, key, stream, capture_error_mode, tag, cpu)
+        return self._cuda_graph(cuda_graph, key, stream, capture_error_mode, tag, backup)
 
     @contextlib.contextmanager
     def _cuda_graph(
@@ -183,10 +234,10 @@ class TorchMemorySaver:
         stream: Optional[torch.cuda.Stream],
         capture_error_mode: str,
         tag: str,
-        cpu_backup: bool,
+        backup: str,
     ) -> Iterator[None]:
         alloc = self._allocator()
-        self._use_tag(alloc, tag, cpu_backup)
+        self._use_tag(alloc, tag, backup)
         # `fresh` takes a pool made for this capture alone: retired after it (the graph keeps what it uses).
         with pool_block(alloc.native, tag) as fresh:
             # torch types these more narrowly than it accepts them (and checks them itself).
@@ -253,7 +304,7 @@ class TorchMemorySaver:
             self._check_margin(alloc, tags)
         alloc.resume(tags)
 
-    def _check_margin(self, alloc: "CuMemAllocator", tags: list[str]) -> None:
+    def _check_margin(self, alloc: "Backend", tags: list[str]) -> None:
         need: dict[int, int] = defaultdict(int)
         wanted = set(tags)
         for a in alloc.native.allocations():
@@ -303,10 +354,11 @@ class TorchMemorySaver:
 
     @property
     def retain_cpu_backup(self) -> bool:
-        """Keep the pinned host backup memory after resume, for a fast next pause: cumem_rs's
-        `set_keep_host_memory`, process-wide, True by default here (False in torch_memory_saver). It also keeps
-        the backups bound to their allocations (retained backups: the next pause copies only changed chunks);
-        False gives the memory back after every resume, and every pause copies everything."""
+        """Keep the host backup memory after resume, for a fast next pause (False by default, or
+        TMS_RETAIN_CPU_BACKUP, as in torch_memory_saver): cumem_rs's `set_keep_host_memory`, process-wide, set when
+        the saver initialises. True also keeps the backups bound to their allocations (retained backups: the next
+        pause copies only the chunks that changed); False returns the backup's host memory to the OS at every
+        resume, and every pause copies everything."""
         return self._allocator().native.keep_host_memory()
 
     @retain_cpu_backup.setter
@@ -314,8 +366,13 @@ class TorchMemorySaver:
         self._allocator().native.set_keep_host_memory(_check_flag(value, "retain_cpu_backup"))
 
     def set_disk_backup_dir(self, path: str) -> None:
-        """Not implemented: raises NotImplementedError (use enable_cpu_backup=True)."""
-        raise NotImplementedError(_NO_DISK_BACKUP)
+        """The directory for the backups of disk-backup regions (created if needed), process-wide: the allocator's
+        spill directory (`set_spill_dir`). Backup files there are unlinked at creation, so nothing is left behind
+        and the directory looks empty. CumemValueError naming the path when it cannot be used."""
+        if not isinstance(path, (str, os.PathLike)):
+            raise CumemTypeError(f"path must be a str or os.PathLike, got {type(path).__name__}")
+        _apply_disk_dir(self._allocator(), os.fspath(path), "path")
+        self._disk_dir_applied = True
 
     # -- backups --------------------------------------------------------------------------------------------------
 
@@ -333,20 +390,36 @@ class TorchMemorySaver:
                 f"get_cpu_backup needs a contiguous tensor (shape {tuple(x.shape)}, strides {x.stride()})"
             )
         _check_flag(zero_copy, "zero_copy")
-        nbytes = x.numel() * x.element_size()
-        ptr = x.data_ptr()
+        data = self._read_backup(x.data_ptr(), x.numel() * x.element_size())
+        if data is None:
+            return None
+        if x.numel() == 0:
+            return torch.empty(x.shape, dtype=x.dtype)
+        return torch.frombuffer(bytearray(data), dtype=torch.uint8).view(x.dtype).view(x.shape)
+
+    def _read_backup(self, ptr: int, nbytes: int) -> Optional[bytes]:
+        """The backed-up bytes [ptr, ptr+nbytes) of paused region memory; None while it is awake (a resume
+        without retain_cpu_backup has returned the backup's host memory)."""
         try:
             # At least one byte: an empty tensor still answers whether its allocation is paused.
-            data = self._allocator().native.read_backup(ptr, max(nbytes, 1))
+            return self._allocator().native.read_backup(ptr, max(nbytes, 1))
         except ValueError as e:
             raise CumemValueError(f"tensor at {ptr:#x} ({nbytes} bytes) is not memory of a region: {e}") from e
         except CumemError as e:
             raise CumemError(f"tensor at {ptr:#x} was paused without CPU backup: {e}") from e
-        if data is None:
-            return None
-        if nbytes == 0:
-            return torch.empty(x.shape, dtype=x.dtype)
-        return torch.frombuffer(bytearray(data), dtype=torch.uint8).view(x.dtype).view(x.shape)
+
+
+def _apply_disk_dir(alloc: "Backend", path: str, name: str) -> None:
+    """Make `path` the allocator's spill directory (created if needed, as there); a ValueError names `name`."""
+    try:
+        os.makedirs(path, exist_ok=True)
+        alloc.set_spill_dir(path)
+    except (OSError, ValueError) as e:
+        raise CumemValueError(f"{name}={path!r} cannot hold disk backups: {e}") from e
+
+
+def _describe(backup: str) -> str:
+    return {_NONE: "no backup", _CPU: "enable_cpu_backup=True", _DISK: "enable_disk_backup=True"}[backup]
 
 
 #: The process-wide saver, as `torch_memory_saver.torch_memory_saver`.
