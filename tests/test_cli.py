@@ -265,6 +265,10 @@ def check_file_tier_metrics(m: dict) -> None:
     assert every and all(c["written"] >= w and c["read"] == c["written"] for c in every)
     assert all(c["host_tier_bytes"] == 0 and c["file_bytes"] == c["written"] for c in every)
     assert m["file_tier_file_host_bound_bytes"] == m["file_tier_staging_bytes"]
+    # Retained file backups: an unchanged sleep writes nothing, 1% of the chunks rewritten writes about 1%.
+    kept = m["file_tier_retained_cycles"]
+    assert all(c["report"]["written_bytes"] == 0 and c["report"]["skipped_bytes"] >= w for c in kept["unchanged"])
+    assert all(0 < c["report"]["written_bytes"] <= 0.05 * w for c in kept["one_percent"])
     auto = m["file_tier_auto_cycles"]
     assert len(auto) >= 3
     assert all(0 < c["host_tier_bytes"] and c["written"] > 0 and c["read"] == c["written"] for c in auto)
@@ -279,6 +283,7 @@ def test_bench_file_tier_in_a_given_spill_dir(tmp_path):
                 "--spill-dir", str(spill), "--json", str(out))
     assert p.returncode == 0, p.stdout + p.stderr
     for row in ("file system: sequential pwrite", "file system: sequential pread", 'sleep, tier "file"',
+                "sleep, retained file backups, weights unchanged",
                 'wake, "auto"', "pinned host memory held while asleep"):
         assert row in p.stdout, row
     m = json.loads(out.read_text())["metrics"]

@@ -7,6 +7,8 @@ writes every byte:
 - the weights with `backup_tier="file"` (a host budget of 0 for them): sleep as a ratio of the write rate and
   wake as a ratio of the read rate, of the bytes on disk (targets >= 0.9), and the pinned host memory held while
   the backups sit in files (host_bytes() plus the staging ring) against ring size + budget;
+- retained file backups (a warm-up cycle binds them): sleeps with the weights unchanged (nothing written) and
+  with 1% of the chunks rewritten in place (only those written), against the file system's time to write them;
 - the issue's reference case: the weights under "auto" with a 4 GiB host budget (scaled with --scale), 3 cycles
   (or --cycles when more), the rest in files: the same ratios, the host memory held, and the weights
   bit-identical after every wake.
@@ -21,9 +23,10 @@ import statistics
 import tempfile
 from typing import Any, Callable, Optional
 
-from ..workload import WEIGHTS_TAG, MiB, VerificationError, reference_workload, total_bytes
+from ..workload import WEIGHTS_TAG, MiB, VerificationError, reference_workload, sim_granularity, total_bytes
 from .common import Context, fmt_bytes, retain_default, say, timed
 from .fs_rate import IO_ALIGN, FsRate, measure
+from .retained import GPU_CHUNK, rewrite_cycles
 from .subjects import CoreTensors, SimSubject, TensorSubject, sim_allocator
 
 SECTION = "file tier: sleep to spill files and wake from them"
@@ -116,9 +119,9 @@ def _tables(ctx: Context, core: Any, subject: Any, directory: str, wbytes: int, 
     rate = measure(directory, wbytes, ring_slot, ctx.torch if ctx.gpu else None)
     how = "O_DIRECT" if rate.direct else "buffered (the file system refused O_DIRECT)"
     res.bandwidth("file_tier_fs_write", f"file system: sequential pwrite of pinned memory, {how}", rate.nbytes,
-                  rate.write_s, None, f"{fmt_bytes(rate.block)} blocks, 4 in flight (the reference)")
+                  rate.write_s, None, f"{fmt_bytes(rate.block)} blocks, 4 in flight, median of 3 (the reference)")
     res.bandwidth("file_tier_fs_read", f"file system: sequential pread into pinned memory, {how}", rate.nbytes,
-                  rate.read_s, None, f"{fmt_bytes(rate.block)} blocks, 4 in flight (the reference)")
+                  rate.read_s, None, f"{fmt_bytes(rate.block)} blocks, 4 in flight, median of 3 (the reference)")
     res.metrics["file_tier_fs_direct"] = rate.direct
     res.metrics["file_tier_staging_bytes"] = staging
 
@@ -127,6 +130,7 @@ def _tables(ctx: Context, core: Any, subject: Any, directory: str, wbytes: int, 
     core.set_host_budget(0)
     _cycles(ctx, core, subject, "file_tier_file", f"tier \"file\", budget 0 (median of {n})", n,
             rate, wbytes, staging, 0)
+    _retained(ctx, core, subject, rate, wbytes)
     core.set_tag_policy(WEIGHTS_TAG, backup_tier="auto")
     budget = min(wbytes, max(0, REFERENCE_BUDGET // ctx.scale // IO_ALIGN * IO_ALIGN))
     core.set_host_budget(budget)
@@ -179,3 +183,35 @@ def _cycles(ctx: Context, core: Any, subject: Any, key: str, label: str, n: int,
         raise VerificationError(f"{label}: {held} bytes of host memory held while asleep, more than ring + "
                                 f"budget ({bound})")
     say(f"{label}: {n} cycles verified bit-identical, {fmt_bytes(written)} per sleep in files")
+
+
+def _retained(ctx: Context, core: Any, subject: Any, rate: FsRate, wbytes: int) -> None:
+    """Retained file backups (tier "file", budget 0): after a warm-up cycle that binds them, sleeps with the
+    weights unchanged (nothing written) and with 1% of the chunks rewritten (only those written), each against
+    the file system's time to write all the weights; wakes verified."""
+    res = ctx.res
+    chunk = GPU_CHUNK if ctx.gpu else sim_granularity(ctx.scale)
+    core.set_retain_backups(True)
+    core.set_fingerprint_chunk(chunk)
+    sleep: Callable[[], Any] = lambda: core.sleep(WEIGHTS_TAG)  # noqa: E731
+    wake: Callable[[], Any] = lambda: core.wake_up(None)  # noqa: E731
+    timed(sleep, ctx.sync)
+    timed(wake, ctx.sync)
+    subject.verify()
+    if not core.retains_backups():
+        res.skipped("sleep, retained file backups", "retains_backups() is False (fingerprint kernel)")
+        core.set_retain_backups(False)
+        return
+    n = max(1, ctx.cycles)
+    recs = rewrite_cycles(subject, sleep, wake, {"unchanged": n, "one_percent": n}, chunk, ctx.sync)
+    write_s = wbytes / rate.write_gbps / 1e9
+    for kind, what in (("unchanged", "weights unchanged since wake"), ("one_percent", "1% of chunks rewritten")):
+        rs = recs[kind]
+        written = statistics.median(r["report"]["written_bytes"] for r in rs)
+        skipped = statistics.median(r["report"]["skipped_bytes"] for r in rs)
+        res.latency(f"file_tier_retained_sleep_{kind}", f"sleep, retained file backups, {what} (median of {n})",
+                    statistics.median(r["sleep_s"] for r in rs), write_s,
+                    f"file system time to write the weights; wrote {fmt_bytes(written)}, skipped "
+                    f"{fmt_bytes(skipped)}", nbytes=int(written))
+    res.metrics["file_tier_retained_cycles"] = recs
+    core.set_retain_backups(False)

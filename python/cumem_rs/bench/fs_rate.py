@@ -5,7 +5,7 @@ the simulated device, where nothing is pinned) into one file of the measured siz
 `O_DIRECT` where the file system takes it (buffered I/O otherwise, said in the row, with the page cache dropped
 for the file before reading it back). The blocks are the staging ring's slots and as many are in flight as the
 file tier keeps (one thread per block, consecutive offsets), so the reference asks the disk for what the file
-tier asks of it, minus everything the allocator adds.
+tier asks of it, minus everything the allocator adds. Median of three runs.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from __future__ import annotations
 import ctypes
 import mmap
 import os
+import statistics
 import threading
 import time
 from dataclasses import dataclass
@@ -115,8 +116,15 @@ def _io(fd: int, blocks: _Blocks, nbytes: int, block: int, write: bool) -> float
     return seconds
 
 
-def measure(directory: str, nbytes: int, block: int, torch: Any = None) -> FsRate:
-    """Write then read `nbytes` (rounded up to IO_ALIGN) in `block`-byte pieces in a fresh file in `directory`."""
+def measure(directory: str, nbytes: int, block: int, torch: Any = None, reps: int = 3) -> FsRate:
+    """Write then read `nbytes` (rounded up to IO_ALIGN) in `block`-byte pieces in a fresh file in `directory`,
+    `reps` times (a fresh file each): the median write and read times."""
+    runs = [_measure_once(directory, nbytes, block, torch) for _ in range(max(1, reps))]
+    return FsRate(runs[0].nbytes, statistics.median(r.write_s for r in runs),
+                  statistics.median(r.read_s for r in runs), all(r.direct for r in runs), runs[0].block)
+
+
+def _measure_once(directory: str, nbytes: int, block: int, torch: Any = None) -> FsRate:
     block = max(IO_ALIGN, block // IO_ALIGN * IO_ALIGN)
     nbytes = max(IO_ALIGN, -(-nbytes // IO_ALIGN) * IO_ALIGN)
     count = max(1, min(IN_FLIGHT, -(-nbytes // block)))
