@@ -216,14 +216,15 @@ def test_bench_every_table_on_the_simulated_device(tmp_path):
     p = run_cli("bench", "--backend", "sim", "--scale", "1024", "--cycles", "1", "--json", str(out))
     assert p.returncode == 0, p.stdout + p.stderr
     for title in ("the limit: pinned copies", "sleep/wake, copy path", "retained backups", "allocation count",
-                  "malloc/free", "CuMemAllocator wall time", "torch_memory_saver", "pinning ahead"):
+                  "malloc/free", "CuMemAllocator wall time", "torch_memory_saver", "pinning ahead", "file tier"):
         assert title in p.stdout, title
     data = json.loads(out.read_text())
     m = data["metrics"]
     assert m["errors"] == []
     assert set(m["table_seconds"]) == {"peer", "sleep_wake", "retained", "wall", "pin_ahead", "alloc_count",
-                                       "malloc"}
+                                       "malloc", "file_tier"}
     w = m["weights_bytes"]
+    check_file_tier_metrics(m)
 
     # Retained backups on: an unchanged sleep copies nothing; 1% of the chunks rewritten copies about 1%; all
     # rewritten copies (almost) everything (chunks of rounding padding stay unchanged).
@@ -250,8 +251,50 @@ def test_bench_every_table_on_the_simulated_device(tmp_path):
             "CuMemAllocator sleep / wake_up / discard wall time"} <= skipped
 
 
+def check_file_tier_metrics(m: dict) -> None:
+    """The file_tier table's promises, on any backend: the file system's rates measured, every sleep of the
+    weights with tier "file" wrote all of them to files and every wake read them back (the bench verifies the data
+    after each), the "auto" reference case with its budget kept the rest in files for 3 cycles, and the host memory
+    held while asleep stayed within ring + budget."""
+    w = m["weights_bytes"]
+    assert m["file_tier_fs_write_gbps"] > 0 and m["file_tier_fs_read_gbps"] > 0
+    for case in ("file", "auto"):
+        assert m[f"file_tier_{case}_sleep_ratio"] > 0 and m[f"file_tier_{case}_wake_ratio"] > 0
+        assert 0 < m[f"file_tier_{case}_host_held_bytes"] <= m[f"file_tier_{case}_host_bound_bytes"]
+    every = m["file_tier_file_cycles"]
+    assert every and all(c["written"] >= w and c["read"] == c["written"] for c in every)
+    assert all(c["host_tier_bytes"] == 0 and c["file_bytes"] == c["written"] for c in every)
+    assert m["file_tier_file_host_bound_bytes"] == m["file_tier_staging_bytes"]
+    # Retained file backups: an unchanged sleep writes nothing, 1% of the chunks rewritten writes about 1%.
+    kept = m["file_tier_retained_cycles"]
+    assert all(c["report"]["written_bytes"] == 0 and c["report"]["skipped_bytes"] >= w for c in kept["unchanged"])
+    assert all(0 < c["report"]["written_bytes"] <= 0.05 * w for c in kept["one_percent"])
+    auto = m["file_tier_auto_cycles"]
+    assert len(auto) >= 3
+    assert all(0 < c["host_tier_bytes"] and c["written"] > 0 and c["read"] == c["written"] for c in auto)
+    assert all(c["host_tier_bytes"] + c["file_bytes"] >= w for c in auto)
+
+
+def test_bench_file_tier_in_a_given_spill_dir(tmp_path):
+    out = tmp_path / "bench.json"
+    spill = tmp_path / "spill"
+    spill.mkdir()
+    p = run_cli("bench", "--backend", "sim", "--scale", "1024", "--cycles", "1", "--only", "file_tier",
+                "--spill-dir", str(spill), "--json", str(out))
+    assert p.returncode == 0, p.stdout + p.stderr
+    for row in ("file system: sequential pwrite", "file system: sequential pread", 'sleep, tier "file"',
+                "sleep, retained file backups, weights unchanged",
+                'wake, "auto"', "pinned host memory held while asleep"):
+        assert row in p.stdout, row
+    m = json.loads(out.read_text())["metrics"]
+    assert m["tables"] == ["file_tier"] and m["errors"] == []
+    check_file_tier_metrics(m)
+    assert list(spill.iterdir()) == [], "the spill and reference files are unlinked"
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--only", "sleep_wake,bogus"], "unknown table(s) bogus"),
+    (["--spill-dir", "/nonexistent/spill"], "--spill-dir '/nonexistent/spill' is not a directory"),
     (["--alloc-counts", "16,x"], "comma-separated positive counts"),
     (["--alloc-counts", "0"], "comma-separated positive counts"),
 ])
@@ -360,3 +403,16 @@ def test_bench_new_tables_on_the_gpu(tmp_path):
     for layer in ("core", "torch"):
         for n in (16, 128):
             assert m[f"alloc_count_{layer}_{n}_sleep_ratio"] > 0 and m[f"alloc_count_{layer}_{n}_wake_ratio"] > 0
+
+
+@pytest.mark.skipif(not gpu_usable(), reason="needs a CUDA GPU and CUDA torch")
+def test_bench_file_tier_on_the_gpu(tmp_path):
+    """The file tier through the process-wide CUDA allocator: the file system measured with pinned torch memory,
+    weights spilled and restored bit-identical, host memory within ring + budget; the allocator left as it was."""
+    out = tmp_path / "bench.json"
+    p = run_cli("bench", "--backend", "cuda", "--scale", "16", "--kv-gib", "0", "--cycles", "1", "--only",
+                "file_tier", "--spill-dir", str(tmp_path), "--json", str(out), timeout=300)
+    assert p.returncode == 0, p.stdout + p.stderr
+    m = json.loads(out.read_text())["metrics"]
+    assert m["errors"] == []
+    check_file_tier_metrics(m)

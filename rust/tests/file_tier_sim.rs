@@ -107,8 +107,9 @@ fn auto_fills_the_budget_first_and_sends_the_rest_to_an_unlinked_file() {
         assert_eq!(e.read(*a, d.len()).unwrap(), *d);
     }
     assert_eq!(e.stats().file_tier_bytes, 0);
-    // Again (file backups are not retained: the next sleep writes them again).
-    e.sleep(&["weights"]).unwrap();
+    // Again: the backups (in files too) were retained by the wake and nothing changed, so nothing is written.
+    let again = e.sleep(&["weights"]).unwrap();
+    assert_eq!((again.written_bytes, again.skipped_bytes), (0, total));
     e.wake::<&str>(None).unwrap();
     for (a, d) in &tensors {
         assert_eq!(e.read(*a, d.len()).unwrap(), *d);
@@ -322,6 +323,37 @@ fn with_a_spill_dir_auto_parks_more_than_the_host_can_pin() {
     for (a, d) in &tensors {
         assert_eq!(e.read(*a, d.len()).unwrap(), *d);
     }
+    e.close().unwrap();
+    assert_no_leaks(&sim);
+}
+
+/// Chunk prints smaller than an I/O block: a change of a few bytes rewrites its whole 4 KiB block from the
+/// device (the unchanged chunks around it included), never a partial block of stale ring bytes.
+#[test]
+fn a_retained_file_backup_rewrites_whole_blocks_around_small_changed_chunks() {
+    let dir = TempDir::new("small-chunks");
+    let (sim, e) = spilling(&dir, 0);
+    let policy = cumem_rs::TagPolicy {
+        backup_tier: cumem_rs::backups::BackupTier::File,
+        ..Default::default()
+    };
+    e.set_tag_policy("weights", policy).unwrap();
+    e.set_fingerprint_chunk(1024).unwrap();
+    let (a, mut d) = weights(&e, 2, 9);
+    assert_eq!(e.sleep(&["weights"]).unwrap().written_bytes, d.len());
+    e.wake::<&str>(None).unwrap();
+    assert!(e.retains_backups().unwrap());
+    for (at, bytes) in [(5 * 4096 + 1030, [1u8, 2, 3]), (GRAN - 3, [4, 5, 6])] {
+        e.write(a + at as u64, &bytes).unwrap();
+        d[at..at + 3].copy_from_slice(&bytes);
+    }
+    let rep = e.sleep(&["weights"]).unwrap();
+    assert_eq!(rep.written_bytes, 2 * 4096, "one block per change");
+    assert_eq!(rep.copied_bytes, 2 * 1024, "the changed chunks");
+    assert_eq!(rep.skipped_bytes, d.len() - 2 * 1024);
+    assert_eq!(e.read_backup(a, d.len()).unwrap().unwrap(), d);
+    e.wake::<&str>(None).unwrap();
+    assert_eq!(e.read(a, d.len()).unwrap(), d);
     e.close().unwrap();
     assert_no_leaks(&sim);
 }

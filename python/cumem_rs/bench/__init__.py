@@ -15,6 +15,9 @@ in the same run. One table per measured thing; --only picks some (default: all o
                the copy of 12 GiB, core Allocator and CuMemAllocator
   malloc       500 allocations of 1-64 MiB: torch.empty in use_memory_pool and Allocator.malloc/free, against
                raw driver calls (ctypes on libcuda)
+  file_tier    the file system's own sequential write/read rate in the spill directory (--spill-dir), then
+               sleep to spill files and wake from them against it (weights all in files; the 4 GiB budget
+               reference case), and the host memory held while backups sit in files against ring + budget
   peer         torch_memory_saver when installed, in a child process (run first, while the GPU is empty): its
                pause/resume, and the retained table's three pauses with retain_cpu_backup off and on
 
@@ -40,7 +43,7 @@ from ..workload import (
     sim_granularity,
     total_bytes,
 )
-from . import alloc_count, malloc, peer_tms, pin_ahead, retained, sleep_wake, wall
+from . import alloc_count, file_tier, malloc, peer_tms, pin_ahead, retained, sleep_wake, wall
 from .common import Context, Results, fmt_bytes, fmt_seconds, print_table, say, timed
 from .limits import copy_limit, memcpy_gbps
 from .malloc import DEFAULT_MALLOC_COUNT, RawDriver, malloc_sizes
@@ -65,6 +68,7 @@ TABLES = {
     "pin_ahead": pin_ahead,
     "alloc_count": alloc_count,
     "malloc": malloc,
+    "file_tier": file_tier,
 }
 
 
@@ -87,6 +91,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--alloc-counts", type=alloc_count.parse_counts, default=alloc_count.COUNTS, metavar="N[,N...]",
                    help="allocation counts of the alloc_count table (default "
                         f"{','.join(map(str, alloc_count.COUNTS))})")
+    p.add_argument("--spill-dir", type=file_tier.spill_dir_arg, default=None, metavar="DIR",
+                   help="the file_tier table's spill directory (default: a fresh temporary directory)")
     p.add_argument("--no-tms", dest="tms", action="store_false",
                    help="skip the torch_memory_saver (peer) table even when it is installed")
     p.add_argument("--json", metavar="PATH", help="also write every number to PATH as JSON")

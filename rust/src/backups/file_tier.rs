@@ -2,9 +2,10 @@
 //! the spill directory through the bounded staging ring (staging.rs), never through a full-size pinned copy.
 //!
 //! Which tier ("auto", the default): host memory while the budget (and the host RAM guard, pin_ahead.rs) has
-//! room, in the order the sleep walks the allocations (address order), and files for the rest. Host first because a host backup restores at the copy
-//! link's rate and can be retained across wakes (unchanged chunks are not copied again), while a file backup
-//! costs the disk's rate both ways; so the budget is spent first, and only what does not fit pays for the disk.
+//! room, in the order the sleep walks the allocations (address order), and files for the rest. Host first
+//! because a host backup restores at the copy link's rate, while a file backup costs the disk's rate at every
+//! wake (both kinds are retained: a sleep copies or writes only changed chunks); so the budget is spent first,
+//! and only what does not fit pays for the disk.
 //! Without a budget, "auto" is the host tier as far as the host can pin; without a spill directory, nothing goes
 //! to files (a sleep past the budget or the guard is refused, as before).
 //!
@@ -15,7 +16,10 @@
 //! into slots by reader threads and copied from there to the device; every copy is waited for before the ring
 //! is used again, and a read error fails the wake (which releases what it mapped and keeps the backups).
 //!
-//! File backups are not retained: the next sleep writes them again (a later step may rewrite changed chunks only).
+//! Retained file backups (retain.rs): a file backup a wake restored from stays bound to its allocation (its disk
+//! blocks kept), and the next sleep writes only the chunks whose prints changed, device -> ring -> file at their
+//! offsets (`FileRewrites`), each allocation released once its changed chunks are written; after a failure the
+//! others stay awake and their retained backups, possibly half rewritten, are dropped.
 
 use std::collections::VecDeque;
 use std::path::{Path, PathBuf};
@@ -207,91 +211,198 @@ impl FileSleep {
         refused: &mut Option<Error>,
         mut done: impl FnMut(&FileJob, Backup),
     ) -> Result<usize> {
-        let (ring, file, io) = (&*self.ring, &*self.file, &*self.io);
-        let chunks = chunks(self.jobs.iter().map(|j| j.size), ring.slot_size());
-        let mut remaining = vec![0usize; self.jobs.len()];
-        for c in &chunks {
-            remaining[c.0] += 1;
-        }
-        let jobs = &self.jobs;
-        let work = |(slot, mem, c): (usize, SlotMem, usize)| {
-            let (j, at, len) = chunks[c];
-            let r = file.write_all_at(io, mem.bytes(io_len(len)), jobs[j].offset + at as u64);
-            (slot, c, r)
-        };
-        std::thread::scope(|s| {
-            let mut workers = Workers::start(s, IO_THREADS.min(ring.slots()), &work, driver);
-            *refused = workers.refused.take();
-            let mut free: Vec<usize> = (0..ring.slots()).rev().collect();
-            let mut copying: VecDeque<(usize, usize, i32, u64)> = VecDeque::new();
-            let (mut next, mut pending, mut written) = (0, 0, 0);
-            let mut failed: Option<Error> = None;
-            let mut finish = |(slot, c, r): (usize, usize, Result<()>),
-                              free: &mut Vec<usize>,
-                              failed: &mut Option<Error>| {
-                free.push(slot);
-                let (j, _, len) = chunks[c];
-                match r {
-                    Err(e) => {
-                        failed.get_or_insert(e);
-                    }
-                    Ok(()) => {
-                        written += len;
-                        remaining[j] -= 1;
-                        if remaining[j] == 0 && failed.is_none() {
-                            let job = &jobs[j];
-                            done(job, Backup::in_file(&self.file, job.offset, job.size));
-                        }
-                    }
-                }
-            };
-            loop {
-                while failed.is_none() && next < chunks.len() {
-                    let Some(slot) = free.pop() else { break };
-                    let (j, at, len) = chunks[next];
-                    let job = &jobs[j];
-                    let queued =
-                        ring.queue_from_device(slot, job.device, job.addr + at as u64, len);
-                    match queued.and_then(|()| driver.record_marker(job.device)) {
-                        Ok(m) => {
-                            copying.push_back((slot, next, job.device, m));
-                            next += 1;
-                        }
-                        Err(e) => {
-                            let _ = driver.wait(job.device); // a copy queued without a marker behind it
-                            free.push(slot);
-                            failed = Some(e);
-                        }
-                    }
-                }
-                if let Some((slot, c, device, marker)) = copying.pop_front() {
-                    if let Err(e) = driver.wait_marker(device, marker) {
-                        failed.get_or_insert(e);
-                    }
-                    if failed.is_some() {
-                        free.push(slot);
-                    } else {
-                        workers.submit((slot, ring.slot_mem(slot), c), &work);
-                        pending += 1;
-                    }
-                    while let Some(r) = workers.next(false) {
-                        pending -= 1;
-                        finish(r, &mut free, &mut failed);
-                    }
-                    continue;
-                }
-                if pending > 0 {
-                    let r = workers.next(true).expect("a write in flight");
-                    pending -= 1;
-                    finish(r, &mut free, &mut failed);
-                    continue;
-                }
-                break;
-            }
-            drop(workers);
-            failed.map_or(Ok(written), Err)
+        let pieces: Vec<Piece> = (self.jobs.iter())
+            .map(|j| Piece {
+                file: &self.file,
+                device: j.device,
+                addr: j.addr,
+                size: j.size,
+                offset: j.offset,
+            })
+            .collect();
+        write_pieces(driver, &self.ring, &*self.io, &pieces, refused, |j| {
+            let job = &self.jobs[j];
+            done(job, Backup::in_file(&self.file, job.offset, job.size))
         })
     }
+}
+
+/// A retained file backup whose allocation sleeps again: the runs (offset, length in the allocation) whose chunk
+/// prints changed, widened to whole I/O blocks (`align_runs`), go device -> ring -> file at their offsets in it.
+pub struct FileRewrite {
+    pub addr: DevPtr,
+    pub device: i32,
+    pub backup: Backup,
+    pub runs: Vec<(usize, usize)>,
+}
+
+/// A sleep's rewrites of retained file backups, with the ring had (see `BackupStore::plan_rewrites`).
+pub struct FileRewrites {
+    ring: Arc<StagingRing>,
+    io: Arc<dyn SpillIo>,
+    items: Vec<FileRewrite>,
+}
+
+impl FileRewrites {
+    /// Write the changed runs of every item, then hand `done` each allocation with its backup (the caller
+    /// releases it): those with no changed runs always (their backup is complete as it is), the others only when
+    /// every write succeeded. After a failure every copy and write in flight is waited for and the failure is
+    /// returned; the allocations not handed over stay awake and the caller drops their retained backups, which
+    /// may be half rewritten. Ok: the bytes written.
+    pub fn write_out(
+        self,
+        driver: &dyn Driver,
+        refused: &mut Option<Error>,
+        mut done: impl FnMut(DevPtr, Backup),
+    ) -> Result<usize> {
+        let items = self.items;
+        let mut pieces = Vec::new();
+        for it in &items {
+            let (file, base) = it.backup.file().expect("file backups only (retain.rs)");
+            for &(off, len) in &it.runs {
+                pieces.push(Piece {
+                    file,
+                    device: it.device,
+                    addr: it.addr + off as u64,
+                    size: len,
+                    offset: base + off as u64,
+                });
+            }
+        }
+        let result = write_pieces(driver, &self.ring, &*self.io, &pieces, refused, |_| {});
+        // The pieces borrow the items' files. Handed over: unchanged ones (nothing written), and all the others
+        // only after a pipeline without failure.
+        drop(pieces);
+        for it in items {
+            if it.runs.is_empty() || result.is_ok() {
+                done(it.addr, it.backup);
+            }
+        }
+        result
+    }
+}
+
+/// `runs` (offset, length; sorted, disjoint) inside an allocation of `size` bytes, widened to whole I/O blocks
+/// (O_DIRECT writes whole aligned blocks, and a write of part of a block would take the rest of the slot's
+/// stale bytes with it) and merged where they meet. A widened run copies the device's current bytes around the
+/// changed ones: equal to the backup's where nothing changed. Its end is clamped to `size` (the file's block
+/// padding past it belongs to this backup).
+pub fn align_runs(runs: &[(usize, usize)], size: usize) -> Vec<(usize, usize)> {
+    let mut out: Vec<(usize, usize)> = Vec::new();
+    for &(off, len) in runs {
+        let lo = off / IO_ALIGN * IO_ALIGN;
+        let hi = (off + len).next_multiple_of(IO_ALIGN).min(size);
+        match out.last_mut() {
+            Some(last) if last.0 + last.1 >= lo => last.1 = hi.max(last.0 + last.1) - last.0,
+            _ => out.push((lo, hi - lo)),
+        }
+    }
+    out
+}
+
+/// One piece of a write pipeline: `size` device bytes at `addr` on `device`, to `offset` of `file`.
+struct Piece<'a> {
+    file: &'a SpillFile,
+    device: i32,
+    addr: DevPtr,
+    size: usize,
+    offset: u64,
+}
+
+/// The sleep pipeline (see the module comment): every piece device -> ring -> file; `done(i)` once all of piece
+/// `i` is written, never after the first failure (every copy and write in flight is still waited for, and the
+/// failure returned). Ok: the bytes written.
+fn write_pieces(
+    driver: &dyn Driver,
+    ring: &StagingRing,
+    io: &dyn SpillIo,
+    pieces: &[Piece],
+    refused: &mut Option<Error>,
+    mut done: impl FnMut(usize),
+) -> Result<usize> {
+    let chunks = chunks(pieces.iter().map(|p| p.size), ring.slot_size());
+    let mut remaining = vec![0usize; pieces.len()];
+    for c in &chunks {
+        remaining[c.0] += 1;
+    }
+    let work = |(slot, mem, c): (usize, SlotMem, usize)| {
+        let (j, at, len) = chunks[c];
+        let p = &pieces[j];
+        let r = p
+            .file
+            .write_all_at(io, mem.bytes(io_len(len)), p.offset + at as u64);
+        (slot, c, r)
+    };
+    std::thread::scope(|s| {
+        let mut workers = Workers::start(s, IO_THREADS.min(ring.slots()), &work, driver);
+        *refused = workers.refused.take();
+        let mut free: Vec<usize> = (0..ring.slots()).rev().collect();
+        let mut copying: VecDeque<(usize, usize, i32, u64)> = VecDeque::new();
+        let (mut next, mut pending, mut written) = (0, 0, 0);
+        let mut failed: Option<Error> = None;
+        let mut finish = |(slot, c, r): (usize, usize, Result<()>),
+                          free: &mut Vec<usize>,
+                          failed: &mut Option<Error>| {
+            free.push(slot);
+            let (j, _, len) = chunks[c];
+            match r {
+                Err(e) => {
+                    failed.get_or_insert(e);
+                }
+                Ok(()) => {
+                    written += len;
+                    remaining[j] -= 1;
+                    if remaining[j] == 0 && failed.is_none() {
+                        done(j);
+                    }
+                }
+            }
+        };
+        loop {
+            while failed.is_none() && next < chunks.len() {
+                let Some(slot) = free.pop() else { break };
+                let (j, at, len) = chunks[next];
+                let p = &pieces[j];
+                let queued = ring.queue_from_device(slot, p.device, p.addr + at as u64, len);
+                match queued.and_then(|()| driver.record_marker(p.device)) {
+                    Ok(m) => {
+                        copying.push_back((slot, next, p.device, m));
+                        next += 1;
+                    }
+                    Err(e) => {
+                        let _ = driver.wait(p.device); // a copy queued without a marker behind it
+                        free.push(slot);
+                        failed = Some(e);
+                    }
+                }
+            }
+            if let Some((slot, c, device, marker)) = copying.pop_front() {
+                if let Err(e) = driver.wait_marker(device, marker) {
+                    failed.get_or_insert(e);
+                }
+                if failed.is_some() {
+                    free.push(slot);
+                } else {
+                    workers.submit((slot, ring.slot_mem(slot), c), &work);
+                    pending += 1;
+                }
+                while let Some(r) = workers.next(false) {
+                    pending -= 1;
+                    finish(r, &mut free, &mut failed);
+                }
+                continue;
+            }
+            if pending > 0 {
+                let r = workers.next(true).expect("a write in flight");
+                pending -= 1;
+                finish(r, &mut free, &mut failed);
+                continue;
+            }
+            break;
+        }
+        drop(workers);
+        failed.map_or(Ok(written), Err)
+    })
 }
 
 impl BackupStore {
@@ -457,6 +568,24 @@ impl BackupStore {
         ))
     }
 
+    /// Sleep, once the prints are compared: the rewrites of retained file backups (retain.rs), with the staging
+    /// ring had. None when there are none.
+    pub fn plan_rewrites(
+        &mut self,
+        items: Vec<FileRewrite>,
+        log: &mut ErrorLog,
+    ) -> Result<Option<FileRewrites>> {
+        if items.is_empty() {
+            return Ok(None);
+        }
+        let ring = self.ring(log)?;
+        Ok(Some(FileRewrites {
+            ring,
+            io: self.io.clone(),
+            items,
+        }))
+    }
+
     // ----- wake ------------------------------------------------------------------------------------------
 
     /// Restore the file backups of `targets` ((device, addr) of mapped, asleep allocations; those with a host
@@ -560,4 +689,27 @@ fn read_in(
         drop(workers);
         failed.map_or(Ok(read), Err)
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const B: usize = IO_ALIGN;
+
+    #[test]
+    fn changed_runs_widen_to_whole_blocks_merge_and_stop_at_the_allocation_end() {
+        // Aligned runs stay as they are.
+        assert_eq!(
+            align_runs(&[(0, B), (4 * B, 2 * B)], 8 * B),
+            [(0, B), (4 * B, 2 * B)]
+        );
+        // 16-byte chunks inside one block become that block; neighbours in the same block merge.
+        assert_eq!(align_runs(&[(16, 16), (48, 16)], 8 * B), [(0, B)]);
+        // Runs that meet once widened merge into one.
+        assert_eq!(align_runs(&[(B - 16, 16), (B, 16)], 8 * B), [(0, 2 * B)]);
+        // The last run ends at the allocation's end, not past it.
+        assert_eq!(align_runs(&[(B + 100, 8)], B + 200), [(B, 200)]);
+        assert!(align_runs(&[], B).is_empty());
+    }
 }

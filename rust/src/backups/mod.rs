@@ -30,7 +30,7 @@ use crate::host::{HostBuffer, HostPool};
 use crate::host::staging::StagingRing;
 pub use crate::host::staging::DEFAULT_STAGING_BYTES;
 pub use budget::BUDGET_ENV;
-pub use file_tier::{BackupTier, FileJob, FileSleep};
+pub use file_tier::{BackupTier, FileJob, FileRewrite, FileRewrites, FileSleep};
 use pin_ahead::HostRoom;
 pub use pin_ahead::PinAheadStatus;
 pub use retain::SleepPrints;
@@ -58,10 +58,22 @@ enum Place {
         arena: Arc<HostBuffer>,
         offset: usize,
     },
-    File {
-        file: Arc<SpillFile>,
-        offset: u64,
-    },
+    File(Arc<FileRegion>),
+}
+
+/// A backup's bytes in a spill file. Shared by the clones of its `Backup` (the asleep set's, a retained one's, a
+/// pipeline's); when the last goes (woken without retention, freed, its retained backup dropped) the disk blocks
+/// go back at once (a punched hole), not when the last backup in the file goes.
+struct FileRegion {
+    file: Arc<SpillFile>,
+    offset: u64,
+    len: usize,
+}
+
+impl Drop for FileRegion {
+    fn drop(&mut self) {
+        self.file.punch(self.offset, self.len);
+    }
 }
 
 impl Backup {
@@ -79,10 +91,11 @@ impl Backup {
     /// The piece [offset, offset+len) of spill file `file`.
     pub(crate) fn in_file(file: &Arc<SpillFile>, offset: u64, len: usize) -> Backup {
         Backup {
-            place: Place::File {
+            place: Place::File(Arc::new(FileRegion {
                 file: file.clone(),
                 offset,
-            },
+                len,
+            })),
             len,
         }
     }
@@ -109,9 +122,9 @@ impl Backup {
     }
 
     /// (file, offset) of a file backup.
-    fn file(&self) -> Option<(&SpillFile, u64)> {
+    fn file(&self) -> Option<(&Arc<SpillFile>, u64)> {
         match &self.place {
-            Place::File { file, offset } => Some((file, *offset)),
+            Place::File(r) => Some((&r.file, r.offset)),
             Place::Arena { .. } => None,
         }
     }
@@ -125,7 +138,8 @@ impl Backup {
                 Ok(())
             }
             // Block by block into aligned buffers: the file may be open with O_DIRECT (a diagnostics path).
-            Place::File { file, offset } => {
+            Place::File(r) => {
+                let (file, offset) = (&r.file, &r.offset);
                 const B: u64 = spill_file::IO_ALIGN as u64;
                 let (from, to) = (*offset + at as u64, *offset + (at + out.len()) as u64);
                 let mut block = Box::new(Block([0; spill_file::IO_ALIGN]));
@@ -160,7 +174,9 @@ impl Backup {
         at: usize,
         len: usize,
     ) -> Result<usize> {
-        let (arena, offset) = self.arena().expect("retained backups are in host memory");
+        let (arena, offset) = self
+            .arena()
+            .expect("host backups only (file ones: FileRewrites)");
         arena.queue_from_device(device, addr, offset + at, len)
     }
 }
@@ -285,10 +301,8 @@ impl BackupStore {
     pub fn take(&mut self, addr: DevPtr) -> Option<Backup> {
         let b = self.asleep.remove(&addr)?;
         self.count(&b, false);
-        // Restored or freed: its disk blocks go back now, not when the last backup in the file goes.
-        if let Some((file, offset)) = b.file() {
-            file.punch(offset, b.len);
-        }
+        // A file backup's disk blocks go back when its last holder drops it (`FileRegion`): at once unless a
+        // wake binds it to the allocation as a retained backup.
         Some(b)
     }
 

@@ -1,5 +1,6 @@
 //! Retained backups: a backup that a wake restored from stays bound to its allocation, so that the next sleep
-//! copies only the chunks that changed since.
+//! copies only the chunks that changed since: into its host arena, or (a file backup) through the staging ring
+//! into its spill file at their offsets (file_tier.rs).
 //!
 //! What changed is told by 128-bit fingerprints of fixed chunks, computed on the device at every sleep, in one
 //! kernel pass over the offloaded allocations queued ahead of their copies. The prints taken at a sleep describe
@@ -18,6 +19,7 @@
 use std::collections::HashMap;
 use std::time::Instant;
 
+use super::file_tier::{align_runs, FileRewrite};
 use super::{Backup, BackupStore};
 use crate::driver::{DevPtr, Driver, FINGERPRINTS_UNAVAILABLE};
 use crate::error::{Error, Result};
@@ -60,8 +62,12 @@ impl Retention {
         }
     }
 
+    /// Host bytes of retained backups (those in files hold disk, not host memory).
     pub(super) fn retained_bytes(&self) -> usize {
-        self.retained.values().map(Backup::len).sum()
+        (self.retained.values())
+            .filter(|b| b.in_host())
+            .map(Backup::len)
+            .sum()
     }
 
     pub(super) fn backups(&self) -> impl Iterator<Item = (DevPtr, &Backup)> {
@@ -105,6 +111,9 @@ pub struct SleepPrints {
     queued: std::collections::VecDeque<(DevPtr, Backup, Option<StreamPoint>)>,
     /// The prints taken now, per allocation.
     now: HashMap<DevPtr, Vec<Fingerprint>>,
+    /// Retained allocations whose backup is in a file: their changed runs, written by the engine through
+    /// `BackupStore::plan_rewrites` once the host copies are done.
+    file_rewrites: Vec<FileRewrite>,
     queue_seconds: f64,
     /// Chunks of retained backups compared, bytes not copied (unchanged), bytes copied (changed).
     pub chunks_checked: usize,
@@ -133,6 +142,11 @@ impl SleepPrints {
         result
     }
 
+    /// The retained allocations with a file backup and their changed runs (see `file_tier::FileRewrites`).
+    pub fn take_file_rewrites(&mut self) -> Vec<FileRewrite> {
+        std::mem::take(&mut self.file_rewrites)
+    }
+
     /// The next retained allocation whose changed chunks were queued, its backup, and the result of waiting for
     /// its copies (every marker is waited for, failure or not).
     pub fn next_changed(&mut self, driver: &dyn Driver) -> Option<(DevPtr, Backup, Result<()>)> {
@@ -158,6 +172,11 @@ impl BackupStore {
 
     pub fn is_retained(&self, addr: DevPtr) -> bool {
         self.retention.retained.contains_key(&addr)
+    }
+
+    /// Whether `addr` has a retained backup in a spill file.
+    pub fn is_retained_in_file(&self, addr: DevPtr) -> bool {
+        (self.retention.retained.get(&addr)).is_some_and(|b| !b.in_host())
     }
 
     pub fn fingerprint_chunk(&self) -> usize {
@@ -215,8 +234,8 @@ impl BackupStore {
         let keep = self.retaining();
         let r = &mut self.retention;
         for (addr, backup) in restored {
-            // File backups are not retained: the next sleep writes them again (file_tier.rs).
-            if keep && backup.in_host() && r.prints.contains_key(&addr) {
+            // A file backup too: it keeps its disk blocks, and the next sleep rewrites its changed chunks only.
+            if keep && r.prints.contains_key(&addr) {
                 r.retained.insert(addr, backup);
             } else {
                 r.prints.remove(&addr);
@@ -254,6 +273,7 @@ impl BackupStore {
             retained,
             queued: Default::default(),
             now: HashMap::new(),
+            file_rewrites: Vec::new(),
             queue_seconds: 0.0,
             chunks_checked: 0,
             skipped_bytes: 0,
@@ -332,6 +352,20 @@ impl BackupStore {
                 } else {
                     runs.push((off, len));
                 }
+            }
+            if !backup.in_host() {
+                // Written through the staging ring later (file_tier.rs), in whole I/O blocks.
+                // Copied: the changed chunks, as for host backups (the report's written_bytes counts the whole
+                // blocks written).
+                sp.copied_bytes += runs.iter().map(|r| r.1).sum::<usize>();
+                let runs = align_runs(&runs, size);
+                sp.file_rewrites.push(FileRewrite {
+                    addr,
+                    device,
+                    backup,
+                    runs,
+                });
+                continue;
             }
             let copied = !runs.is_empty();
             for (off, len) in runs {

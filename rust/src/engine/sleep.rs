@@ -5,7 +5,7 @@ use std::time::Instant;
 
 use super::policy::Policies;
 use super::{tag_set, Engine, Inner, Report};
-use crate::backups::{Backup, FileSleep, SleepPrints, THREAD_REFUSED};
+use crate::backups::{Backup, BackupTier, FileRewrite, FileSleep, SleepPrints, THREAD_REFUSED};
 use crate::driver::DevPtr;
 use crate::error::{Error, Result};
 use crate::host::HostBuffer;
@@ -63,9 +63,10 @@ impl Engine {
     /// had here) and take the host arena (the last points that may fail with nothing queued); fingerprint
     /// every offloaded allocation; queue the backup copies of those without a retained backup (pinning a cold
     /// arena cell by cell meanwhile, or releasing finished cells as it goes into a pinned one); queue the copies
-    /// of changed chunks into retained backups; release the allocations that need no backup while those copies
-    /// run; then, as the copies finish, release the backed-up allocations; then write the file-tier backups
-    /// through the staging ring, releasing each allocation once its bytes are in the file. An allocation is
+    /// of changed chunks into retained host backups; release the allocations that need no backup while those
+    /// copies run; then, as the copies finish, release the backed-up allocations; then write the file-tier
+    /// backups through the staging ring, releasing each allocation once its bytes are in the file, and the
+    /// changed chunks of retained file backups at their offsets. An allocation is
     /// released only once its whole backup is known to be on the host or in its file, so after any failure each
     /// offloaded allocation is either awake with its data or asleep with a complete backup. Allocations of other
     /// tags are released without backup as asked, failure or not.
@@ -84,7 +85,19 @@ impl Engine {
         let mut report = Report::default();
         // Not offloaded this time: a retained backup of these would go stale.
         inner.backups.drop_retained(&bare);
-        let retained = inner.backups.split_retained(&mut backed);
+        let mut retained = inner.backups.split_retained(&mut backed);
+        // A retained file backup of a tag whose policy now says "host" is dropped: the tag goes to host memory.
+        let (to_host, kept): (Vec<DevPtr>, Vec<DevPtr>) = retained.into_iter().partition(|a| {
+            let tag = &inner.reg.get(*a).expect("selected").tag;
+            inner.backups.is_retained_in_file(*a)
+                && inner.policies.backup_tier(tag) == BackupTier::Host
+        });
+        retained = kept;
+        if !to_host.is_empty() {
+            inner.backups.drop_retained(&to_host);
+            backed.extend(to_host);
+            backed.sort_unstable();
+        }
 
         // 0. Which of the others go to a spill file (tag policies, the host budget): the directory's space, the
         //    file and the staging ring are had here, before anything is released.
@@ -114,10 +127,14 @@ impl Engine {
 
         // 2. Fingerprint every offloaded allocation, first on the copy streams so that the result does not wait
         //    for the copies: the retained ones to find their changed chunks, all to let the next sleep skip.
+        //    Those going to a file too: their backup is retained by the wake like a host one.
+        let fresh: Vec<DevPtr> = (backed.iter().copied())
+            .chain(spill.iter().flat_map(|p| p.jobs.iter().map(|j| j.addr)))
+            .collect();
         let mut prints =
             inner
                 .backups
-                .begin_sleep_prints(&inner.reg, retained, &backed, &mut inner.log);
+                .begin_sleep_prints(&inner.reg, retained, &fresh, &mut inner.log);
 
         // 3. Queue the backup copies.
         let mut first_err = None;
@@ -155,6 +172,13 @@ impl Engine {
         //     -> file, each allocation released once all its bytes are written.
         if let Some(plan) = spill.filter(|_| first_err.is_none()) {
             self.write_files(inner, &plan, &mut report, &mut first_err);
+        }
+
+        // 6c. Retained file backups (nothing more after a failure: they stay awake and lose them): only their
+        //     changed chunks go device -> ring -> file, each allocation released once they are written.
+        let rewrites = prints.take_file_rewrites();
+        if !rewrites.is_empty() && first_err.is_none() {
+            self.rewrite_files(inner, rewrites, &mut report, &mut first_err);
         }
 
         // 7. Once their changed chunks are on the host, release the allocations with a retained backup.
@@ -262,6 +286,41 @@ impl Engine {
             inner.log.record(THREAD_REFUSED, &e);
         }
         report.copied_bytes += copied;
+        report.file_seconds += start.elapsed().as_secs_f64();
+        match written {
+            Ok(n) => report.written_bytes += n,
+            Err(e) => {
+                first_err.get_or_insert(e);
+            }
+        }
+    }
+
+    /// Write the changed chunks of retained file backups, releasing each allocation whose backup is complete.
+    fn rewrite_files(
+        &self,
+        inner: &mut Inner,
+        rewrites: Vec<FileRewrite>,
+        report: &mut Report,
+        first_err: &mut Option<Error>,
+    ) {
+        let start = Instant::now();
+        let plan = match inner.backups.plan_rewrites(rewrites, &mut inner.log) {
+            Ok(Some(plan)) => plan,
+            Ok(None) => return,
+            Err(e) => {
+                first_err.get_or_insert(e);
+                return;
+            }
+        };
+        let mut refused = None;
+        let written = plan.write_out(&*self.driver, &mut refused, |addr, backup| {
+            if let Err(e) = self.release_to_sleep(inner, addr, Some(backup), report) {
+                first_err.get_or_insert(e);
+            }
+        });
+        if let Some(e) = refused {
+            inner.log.record(THREAD_REFUSED, &e);
+        }
         report.file_seconds += start.elapsed().as_secs_f64();
         match written {
             Ok(n) => report.written_bytes += n,
