@@ -11,18 +11,7 @@ import pytest
 
 import cumem_rs
 from cumem_rs import Allocator
-
-
-def tensor(a: Allocator, tag: str, granules: int) -> tuple[int, bytes]:
-    size = granules * a.granularity(0)
-    a.push_tag(tag)
-    try:
-        addr = a.malloc(size, 0)
-    finally:
-        a.pop_tag()
-    data = os.urandom(size)
-    a.write(addr, data)
-    return addr, data
+from test_file_tier import tensor
 
 
 def spill_disk_bytes(directory) -> int:
