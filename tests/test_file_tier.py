@@ -112,23 +112,30 @@ def test_a_file_tier_policy_sends_a_tag_to_files_whatever_the_budget(a, tmp_path
     a.free(addr)
 
 
+def _sleep_with_a_failed_write(a: Allocator, tensors, nth: int, error: str) -> set[int]:
+    """A sleep of "weights" whose `nth` spill write fails with `error`; then each allocation is either awake with its
+    data or asleep with a complete backup. Returns the addresses asleep."""
+    a.inject_spill_fault("write", nth, error)
+    try:
+        a.sleep("weights")
+    except cumem_rs.CumemError:
+        pass
+    a.clear_spill_faults()
+    asleep = {r["address"] for r in a.allocations() if r["asleep"]}
+    for addr, data in tensors:
+        if addr in asleep:
+            assert a.read_backup(addr, len(data)) == bytes(data)
+        else:
+            assert a.read(addr, len(data)) == bytes(data)
+    return asleep
+
+
 @pytest.mark.parametrize("error", ["short", "enospc", "eio"])
 def test_a_failed_write_leaves_each_allocation_awake_or_asleep_with_a_complete_backup(spilling, error):
     a = spilling
     tensors = [tensor(a, "weights", n) for n in (1, 2, 1)]
     for nth in range(1, 6):
-        a.inject_spill_fault("write", nth, error)
-        try:
-            a.sleep("weights")
-        except cumem_rs.CumemError:
-            pass
-        a.clear_spill_faults()
-        asleep = {r["address"] for r in a.allocations() if r["asleep"]}
-        for addr, data in tensors:
-            if addr in asleep:
-                assert a.read_backup(addr, len(data)) == data
-            else:
-                assert a.read(addr, len(data)) == data
+        _sleep_with_a_failed_write(a, tensors, nth, error)
         a.wake_up(None)
         for addr, data in tensors:
             assert a.read(addr, len(data)) == data
@@ -290,18 +297,7 @@ def test_a_failed_rewrite_keeps_the_promises_at_every_write_position(retaining_f
                 new = bytes((x + nth) % 256 for x in data[at : at + g])
                 a.write(addr + at, new)
                 data[at : at + g] = new
-        a.inject_spill_fault("write", nth, error)
-        try:
-            a.sleep("weights")
-        except cumem_rs.CumemError:
-            pass
-        a.clear_spill_faults()
-        asleep = {r["address"] for r in a.allocations() if r["asleep"]}
-        for addr, data in tensors:
-            if addr in asleep:
-                assert a.read_backup(addr, len(data)) == bytes(data)
-            else:
-                assert a.read(addr, len(data)) == bytes(data)
+        asleep = _sleep_with_a_failed_write(a, tensors, nth, error)
         awake = [len(d) for addr, d in tensors if addr not in asleep]
         a.wake_up(None)
         _check(a, tensors)
