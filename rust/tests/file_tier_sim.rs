@@ -6,6 +6,13 @@ mod common;
 use common::{assert_no_leaks, engine, pattern, GRAN};
 use cumem_rs::{Engine, Error};
 
+/// Every allocation holds its bytes.
+fn check_data(e: &Engine, tensors: &[(u64, Vec<u8>)]) {
+    for (a, d) in tensors {
+        assert_eq!(e.read(*a, d.len()).unwrap(), *d, "data of {a:#x}");
+    }
+}
+
 fn weights(e: &Engine, granules: usize, seed: u8) -> (u64, Vec<u8>) {
     e.push_tag("weights").unwrap();
     let addr = e.malloc(granules * GRAN, 0, 0).unwrap();
@@ -103,17 +110,13 @@ fn auto_fills_the_budget_first_and_sends_the_rest_to_an_unlinked_file() {
     assert_eq!(e.read_backup(*a, d.len()).unwrap().unwrap(), *d);
     let woke = e.wake::<&str>(None).unwrap();
     assert_eq!(woke.read_bytes, s.file_tier_bytes);
-    for (a, d) in &tensors {
-        assert_eq!(e.read(*a, d.len()).unwrap(), *d);
-    }
+    check_data(&e, &tensors);
     assert_eq!(e.stats().file_tier_bytes, 0);
     // Again: the backups (in files too) were retained by the wake and nothing changed, so nothing is written.
     let again = e.sleep(&["weights"]).unwrap();
     assert_eq!((again.written_bytes, again.skipped_bytes), (0, total));
     e.wake::<&str>(None).unwrap();
-    for (a, d) in &tensors {
-        assert_eq!(e.read(*a, d.len()).unwrap(), *d);
-    }
+    check_data(&e, &tensors);
     e.close().unwrap();
     assert_no_leaks(&sim);
 }
@@ -156,9 +159,7 @@ fn check_after_failure(e: &Engine, tensors: &[(u64, Vec<u8>)]) {
         }
     }
     e.wake::<&str>(None).unwrap();
-    for (a, d) in tensors {
-        assert_eq!(e.read(*a, d.len()).unwrap(), *d);
-    }
+    check_data(e, tensors);
 }
 
 #[test]
@@ -213,9 +214,7 @@ fn a_failed_read_at_any_position_fails_the_wake_and_a_later_wake_succeeds() {
             } else {
                 assert!(nth > 4, "{kind} at read {nth} must fail the wake");
             }
-            for (a, d) in &tensors {
-                assert_eq!(e.read(*a, d.len()).unwrap(), *d);
-            }
+            check_data(&e, &tensors);
             e.close().unwrap();
             assert_no_leaks(&sim);
         }
@@ -283,9 +282,7 @@ fn io_threads_the_os_refuses_are_recorded_and_their_work_runs_on_the_calling_thr
             "{errors:?}"
         );
     }
-    for (a, d) in &tensors {
-        assert_eq!(e.read(*a, d.len()).unwrap(), *d);
-    }
+    check_data(&e, &tensors);
     e.close().unwrap();
     assert_no_leaks(&sim);
 }
@@ -320,9 +317,7 @@ fn with_a_spill_dir_auto_parks_more_than_the_host_can_pin() {
         "{s:?}"
     );
     e.wake::<&str>(None).unwrap();
-    for (a, d) in &tensors {
-        assert_eq!(e.read(*a, d.len()).unwrap(), *d);
-    }
+    check_data(&e, &tensors);
     e.close().unwrap();
     assert_no_leaks(&sim);
 }
