@@ -6,6 +6,7 @@
 
 use super::BackupStore;
 use crate::error::{Error, Result};
+use crate::error_log::ErrorLog;
 
 /// The environment variable read into the engine's configuration (bytes; `K`, `M`, `G` suffixes).
 pub const BUDGET_ENV: &str = "CUMEM_RS_HOST_BUDGET";
@@ -17,10 +18,12 @@ impl BackupStore {
     }
 
     /// Set (or with None remove) the host budget. Host memory already held above a new, lower budget stays until
-    /// the backups in it are woken or freed; the cached arena is returned at once.
-    pub fn set_host_budget(&mut self, budget: Option<usize>) -> Result<()> {
+    /// the backups in it are woken or freed; a pin-ahead worker pinning past it stops, and the cached arena (its
+    /// buffer included) is returned at once.
+    pub fn set_host_budget(&mut self, budget: Option<usize>, log: &mut ErrorLog) -> Result<()> {
         self.budget = budget;
         if budget.is_some_and(|b| self.held() > b) {
+            self.stop_pin_ahead(log);
             self.host.trim()?;
         }
         Ok(())

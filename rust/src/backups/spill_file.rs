@@ -40,14 +40,19 @@ pub struct SpillFile {
 
 impl SpillDir {
     /// `path` if it is an existing directory this process can create files in; else InvalidArgument naming it.
+    /// A relative path is made absolute now (against the current directory), so a later `chdir` of the process
+    /// does not move the spill files to a directory that was never checked.
     pub fn open(path: &Path) -> Result<SpillDir> {
         let bad = |why: &str| Error::invalid(format!("spill_dir {}: {why}", path.display()));
-        let meta = std::fs::metadata(path).map_err(|e| bad(&format!("cannot be used ({e})")))?;
+        let absolute = std::path::absolute(path)
+            .map_err(|e| bad(&format!("cannot be made absolute ({e})")))?;
+        let meta =
+            std::fs::metadata(&absolute).map_err(|e| bad(&format!("cannot be used ({e})")))?;
         if !meta.is_dir() {
             return Err(bad("is not a directory"));
         }
         let dir = SpillDir {
-            path: path.to_path_buf(),
+            path: absolute,
             direct: AtomicBool::new(true),
             files: AtomicU64::new(0),
         };

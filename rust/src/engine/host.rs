@@ -32,11 +32,7 @@ impl Engine {
     pub fn set_host_budget(&self, budget: Option<usize>) -> Result<()> {
         let mut locked = self.lock_open()?;
         let inner = &mut *locked;
-        if budget.is_some_and(|b| inner.backups.held() > b) {
-            // A worker pinning past the new budget stops now; what it pinned is cached, and returned below.
-            inner.backups.stop_pin_ahead(&mut inner.log);
-        }
-        inner.backups.set_host_budget(budget)
+        inner.backups.set_host_budget(budget, &mut inner.log)
     }
 
     /// The host budget (`set_host_budget`), if one is set.
@@ -45,16 +41,10 @@ impl Engine {
     }
 
     /// Set (or with None remove) the file tier's spill directory: an existing directory this process can create
-    /// files in, else InvalidArgument naming it. Backups already in files stay there.
-    /// A relative path is made absolute now (against the current directory), so a later `chdir` of the process
-    /// does not move the spill files to a directory that was never checked.
+    /// files in, else InvalidArgument naming it (a relative path is made absolute now). Backups already in files
+    /// stay there.
     pub fn set_spill_dir(&self, path: Option<&std::path::Path>) -> Result<()> {
-        let absolute = path.map(std::path::absolute).transpose().map_err(|e| {
-            Error::invalid(format!(
-                "spill directory {path:?} cannot be made absolute: {e}"
-            ))
-        })?;
-        self.lock_open()?.backups.set_spill_dir(absolute.as_deref())
+        self.lock_open()?.backups.set_spill_dir(path)
     }
 
     pub fn spill_dir(&self) -> Result<Option<std::path::PathBuf>> {
