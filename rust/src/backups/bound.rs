@@ -116,15 +116,8 @@ impl BackupStore {
         // A new buffer of exactly their size: a cached spare taken for it would become an arena with a hole of
         // its own, and the next reservation would need a spare beside it.
         let (mut buf, fallback) = HostBuffer::acquire(&self.driver, total)?;
-        if let Some(e) = fallback {
-            log.record(
-                "pinning host backup memory (served by the fallback allocation)",
-                &e,
-            );
-        }
-        for e in std::mem::take(&mut buf.notes) {
-            log.record(super::THREAD_REFUSED, &e);
-        }
+        let refused_threads = std::mem::take(&mut buf.notes);
+        super::record_pinning(log, fallback.into_iter().collect(), refused_threads);
         let mut offset = 0;
         let mut placed = Vec::with_capacity(moves.len());
         for (addr, arena, from, len, retained) in moves {

@@ -23,7 +23,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use crate::driver::{DevPtr, Driver};
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::error_log::ErrorLog;
 use crate::host::{HostBuffer, HostPool};
 
@@ -232,6 +232,20 @@ pub struct BackupStore {
     file_bytes: usize,
 }
 
+/// Record what pinning absorbed: registrations the driver's own allocation served, and worker threads that could
+/// not start (their work ran on the calling thread).
+fn record_pinning(log: &mut ErrorLog, fallbacks: Vec<Error>, refused_threads: Vec<Error>) {
+    for e in fallbacks {
+        log.record(
+            "pinning host backup memory (served by the fallback allocation)",
+            &e,
+        );
+    }
+    for e in refused_threads {
+        log.record(THREAD_REFUSED, &e);
+    }
+}
+
 impl BackupStore {
     /// A store; a spill directory in `config` that cannot be used is left unset, with a warning.
     pub fn new(driver: Arc<dyn Driver>, config: StoreConfig) -> BackupStore {
@@ -426,15 +440,8 @@ impl BackupStore {
 
     /// Record what the host pool absorbed (a registration the fallback served, a thread that could not start).
     fn record_host_fallbacks(&mut self, log: &mut ErrorLog) {
-        for e in std::mem::take(&mut self.host.fallbacks) {
-            log.record(
-                "pinning host backup memory (served by the fallback allocation)",
-                &e,
-            );
-        }
-        for e in std::mem::take(&mut self.host.notes) {
-            log.record(THREAD_REFUSED, &e);
-        }
+        let fallbacks = std::mem::take(&mut self.host.fallbacks);
+        record_pinning(log, fallbacks, std::mem::take(&mut self.host.notes));
     }
 
     // ----- host memory -------------------------------------------------------------------------------------

@@ -282,17 +282,8 @@ impl Engine {
                 }
             }
         });
-        if let Some(e) = refused {
-            inner.log.record(THREAD_REFUSED, &e);
-        }
         report.copied_bytes += copied;
-        report.file_seconds += start.elapsed().as_secs_f64();
-        match written {
-            Ok(n) => report.written_bytes += n,
-            Err(e) => {
-                first_err.get_or_insert(e);
-            }
-        }
+        Self::account_file_pass(inner, start, refused, written, report, first_err);
     }
 
     /// Write the changed chunks of retained file backups, releasing each allocation whose backup is complete.
@@ -318,6 +309,19 @@ impl Engine {
                 first_err.get_or_insert(e);
             }
         });
+        Self::account_file_pass(inner, start, refused, written, report, first_err);
+    }
+
+    /// After a pass of file writes begun at `start`: record a refused I/O thread, add the time and the bytes
+    /// written to the report, keep the first error.
+    fn account_file_pass(
+        inner: &mut Inner,
+        start: Instant,
+        refused: Option<Error>,
+        written: Result<usize>,
+        report: &mut Report,
+        first_err: &mut Option<Error>,
+    ) {
         if let Some(e) = refused {
             inner.log.record(THREAD_REFUSED, &e);
         }
