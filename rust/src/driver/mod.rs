@@ -3,7 +3,8 @@
 //! any driver (`fault_injection.rs`); the trait knows nothing of it, nor of the emulation.
 //!
 //! Imports inside this folder go one way: `cuda` -> `cuda_fingerprint` -> `cuda_check`, `cuda` -> `cuda_check`,
-//! `sim` -> `fault_injection`, and every one of them -> this module.
+//! `sim` -> `fault_injection`, and every one of them -> this module; `codec` (the compression trait) is a leaf
+//! next to this module.
 //!
 //! Addresses are `u64` device virtual addresses. Physical memory is an opaque `PhysHandle`. Host memory given
 //! to the copy functions is described by `HostPtr`s that point into buffers owned by `host/`; the engine keeps
@@ -32,6 +33,7 @@
 //! unsafe { sim.copy_d2h(0, HostPtr(0x10), a, 2 << 20) }.unwrap();
 //! ```
 
+pub mod codec;
 pub mod cuda;
 mod cuda_check;
 mod cuda_fingerprint;
@@ -208,6 +210,12 @@ pub trait Driver: Send + Sync {
     /// the device was first used, before its first allocation; 0 while it was not used yet.
     fn own_device_bytes(&self, _device: i32) -> usize {
         0
+    }
+
+    /// The codec this driver compresses backups with (`codec.rs`), None where it has none (nvCOMP missing,
+    /// compression switched off). The backup store asks once per sleep and per wake.
+    fn codec(&self) -> Option<&dyn codec::DeviceCodec> {
+        None
     }
 
     /// Page-lock (pin) host memory for fast async copies.
