@@ -7,6 +7,8 @@ resume, backups and the TMS_* environment over the simulated device in test_memo
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import inspect
 
 import pytest
@@ -57,9 +59,14 @@ def test_module_level_names():
 
 
 @pytest.fixture
-def saver() -> TorchMemorySaver:
-    """A fresh saver (settings are per object) that has not touched the GPU."""
-    return TorchMemorySaver()
+def saver() -> Iterator[TorchMemorySaver]:
+    """A fresh saver (settings are per object) that has not touched the GPU. A test that initialises it sets the
+    shared allocator's process-wide keep_host_memory (torch_memory_saver's retain_cpu_backup): put back after it,
+    to the allocator's default (True), so that later modules see it."""
+    s = TorchMemorySaver()
+    yield s
+    if s._alloc is not None:
+        s._alloc.native.set_keep_host_memory(True)
 
 
 def test_disk_backup_arguments_are_checked_at_the_call(saver):
