@@ -352,10 +352,14 @@ def test_one_backup_setting_per_tag(saver):
 def test_module_singleton_and_status_repr(cumem):
     from cumem_rs.memory_saver import torch_memory_saver
 
-    with torch_memory_saver.region(tag="tms_singleton", enable_cpu_backup=True):
-        t = torch.full((4 * MiB,), 1.5, device="cuda")
-    torch_memory_saver.pause("tms_singleton")
-    line = repr(cumem)
-    assert "sleeping" in line and "tms_singleton=asleep[backup=True]" in line and "\n" not in line
-    torch_memory_saver.resume("tms_singleton")
-    assert torch.all(t == 1.5).item()
+    keep = cumem.native.keep_host_memory()  # the singleton's set-up sets it process-wide: put back below
+    try:
+        with torch_memory_saver.region(tag="tms_singleton", enable_cpu_backup=True):
+            t = torch.full((4 * MiB,), 1.5, device="cuda")
+        torch_memory_saver.pause("tms_singleton")
+        line = repr(cumem)
+        assert "sleeping" in line and "tms_singleton=asleep[backup=True]" in line and "\n" not in line
+        torch_memory_saver.resume("tms_singleton")
+        assert torch.all(t == 1.5).item()
+    finally:
+        cumem.native.set_keep_host_memory(keep)
