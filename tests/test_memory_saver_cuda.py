@@ -341,12 +341,17 @@ def test_get_cpu_backup_refuses_what_is_not_a_region(saver):
     saver.resume("tms_backup_read")
 
 
-def test_one_backup_setting_per_tag(saver):
-    with saver.region("tms_conflict", enable_cpu_backup=True):
-        pass
-    with pytest.raises(ValueError, match="one backup setting per tag"):
-        with saver.region("tms_conflict"):
-            pass
+def test_one_tag_with_and_without_backup(saver):
+    """As torch_memory_saver's test_cpu_backup: both settings under one tag, paused and resumed together."""
+    with saver.region("tms_mixed", enable_cpu_backup=True):
+        kept = torch.full((8 * MiB,), 10, dtype=torch.uint8, device="cuda")
+    with saver.region("tms_mixed", enable_cpu_backup=False):
+        lost = torch.full((8 * MiB,), 20, dtype=torch.uint8, device="cuda")
+    saver.pause("tms_mixed")
+    saver.resume("tms_mixed")
+    assert torch.all(kept == 10).item()
+    lost.fill_(30)  # undefined after resume; usable again
+    assert torch.all(lost == 30).item()
 
 
 def test_module_singleton_and_status_repr(cumem):

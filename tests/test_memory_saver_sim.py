@@ -170,11 +170,39 @@ def test_disk_backup_dir_that_cannot_be_used_is_a_clear_error(saver, sim, tmp_pa
     assert sim.spill_dir is None
 
 
-def test_one_backup_setting_per_tag_covers_disk_backup(saver, sim, tmp_path):
+def test_one_tag_holds_memory_with_each_backup_setting(saver, sim, tmp_path):
+    """torch_memory_saver records the backup setting per allocation: one tag may hold memory with CPU backup, disk
+    backup and none (its test_cpu_backup uses "default" for both). pause(tag) pauses all of it; resume restores
+    what had a backup, and what had none comes back undefined (the sim's poison byte)."""
     saver.set_disk_backup_dir(str(tmp_path))
-    _alloc(saver, sim, "t", 1, enable_disk_backup=True)
-    with pytest.raises(ValueError, match="one backup setting per tag"):
-        saver.region("t", enable_cpu_backup=True).__enter__()
+    cpu = _alloc(saver, sim, "t", 1, enable_cpu_backup=True)
+    disk = _alloc(saver, sim, "t", 2, enable_disk_backup=True)
+    none = _alloc(saver, sim, "t", 3)
+    again = _alloc(saver, sim, "t", 4, enable_cpu_backup=True)  # the same setting again: the same allocator tag
+    by_address = {a["address"]: a for a in sim.allocations()}
+    assert by_address[cpu]["tag"] == by_address[again]["tag"] == "t"
+    assert len({by_address[x]["tag"] for x in (cpu, disk, none)}) == 3
+    saver.pause("t")
+    assert all(a["asleep"] for a in sim.allocations())
+    assert sim.stats()["file_tier_bytes"] == N
+    saver.resume("t")
+    assert not any(a["asleep"] for a in sim.allocations())
+    assert sim.read(cpu, N) == b"\x01" * N and sim.read(again, N) == b"\x04" * N
+    assert sim.read(disk, N) == b"\x02" * N
+    assert sim.read(none, 1) != b"\x03"
+
+
+def test_a_region_tag_that_looks_like_a_derived_one_stays_apart(saver, sim):
+    a = _alloc(saver, sim, "t", 1, enable_cpu_backup=True)
+    b = _alloc(saver, sim, "t[no_backup]", 2, enable_cpu_backup=True)
+    c = _alloc(saver, sim, "t", 3)  # needs an allocator tag of its own: not the region tag "t[no_backup]"
+    tags = {x["address"]: x["tag"] for x in sim.allocations()}
+    assert len({tags[a], tags[b], tags[c]}) == 3
+    saver.pause("t[no_backup]")
+    asleep = {x["address"] for x in sim.allocations() if x["asleep"]}
+    assert asleep == {b}
+    saver.resume("t[no_backup]")
+    assert sim.read(b, N) == b"\x02" * N
 
 
 # -- the TMS_* environment ------------------------------------------------------------------------------------------

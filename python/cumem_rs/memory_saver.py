@@ -106,7 +106,8 @@ class TorchMemorySaver:
         self._hook_mode: HookMode = "preload"
         self._memory_margin_bytes = 0
         # Every tag a region or graph of this object used, with its backup (one setting per tag).
-        self._tags: dict[str, str] = {}
+        # Per tag of the API: backup setting -> the allocator tag holding that memory (`_use_tag`).
+        self._tags: dict[str, dict[str, str]] = {}
         # Whether the spill directory of disk-backup regions is set: by set_disk_backup_dir or TMS_DISK_BACKUP_DIR;
         # else the first disk-backup region sets the system temp directory (torch_memory_saver's /tmp).
         self._disk_dir_applied = False
@@ -154,31 +155,45 @@ class TorchMemorySaver:
         assert self._alloc is not None
         return self._alloc
 
-    def _use_tag(self, alloc: "Backend", tag: str, backup: str) -> None:
-        """Record that `tag` holds memory with this backup and set its policy the first time."""
+    def _use_tag(self, alloc: "Backend", tag: str, backup: str) -> str:
+        """The allocator tag that holds `tag`'s memory with this backup setting, its policy set the first time.
+
+        torch_memory_saver records the backup setting per allocation, so one tag may hold memory with and without
+        backup; the allocator keeps one policy per tag. So the first setting seen for `tag` uses `tag` itself
+        and each other setting a tag of its own (`tag[no_backup]`, `tag[cpu_backup]`, `tag[disk_backup]`);
+        pause and resume of `tag` act on all of them."""
         with self._lock:
-            known = self._tags.get(tag)
-            if known is not None and known != backup:
-                raise CumemValueError(
-                    f"tag {tag!r} was already used with {_describe(known)}; cumem_rs keeps one backup setting "
-                    f"per tag, so use another tag for memory with {_describe(backup)}"
-                )
-            if known is None:
-                if backup == _DISK and not self._disk_dir_applied:
-                    _apply_disk_dir(alloc, tempfile.gettempdir(), "the disk backup directory (system temp)")
-                    self._disk_dir_applied = True
-                # Keep a wake_fill (and, but for disk backup, a tier) set ahead through set_tag_policy.
-                policy = alloc.native.tag_policy(tag)
-                tier = "file" if backup == _DISK else policy.get("backup_tier", "auto")
-                alloc.set_tag_policy(tag, backup=backup != _NONE, wake_fill=policy["wake_fill"], backup_tier=tier)
-                self._tags[tag] = backup
+            settings = self._tags.setdefault(tag, {})
+            inner = settings.get(backup)
+            if inner is not None:
+                return inner
+            inner = tag if not settings else self._free_inner_name(f"{tag}[{_SHORT[backup]}]")
+            if backup == _DISK and not self._disk_dir_applied:
+                _apply_disk_dir(alloc, tempfile.gettempdir(), "the disk backup directory (system temp)")
+                self._disk_dir_applied = True
+            # Keep a wake_fill (and, but for disk backup, a tier) set ahead through set_tag_policy.
+            policy = alloc.native.tag_policy(inner)
+            tier = "file" if backup == _DISK else policy.get("backup_tier", "auto")
+            alloc.set_tag_policy(inner, backup=backup != _NONE, wake_fill=policy["wake_fill"], backup_tier=tier)
+            settings[backup] = inner
+            return inner
+
+    def _free_inner_name(self, name: str) -> str:
+        """`name`, or `name#2`, `name#3`... when a region already uses it as its own tag (caller holds the lock)."""
+        taken = {t for settings in self._tags.values() for t in settings.values()} | set(self._tags)
+        candidate, n = name, 1
+        while candidate in taken:
+            n += 1
+            candidate = f"{name}#{n}"
+        return candidate
 
     def _tags_of(self, tag: Optional[str]) -> list[str]:
-        """The tags a pause/resume acts on: `tag`, or every tag this object used."""
-        if tag is not None:
-            return [check_tag(tag)]
+        """The allocator tags a pause/resume acts on: those of `tag`, or of every tag this object used."""
         with self._lock:
-            return sorted(self._tags)
+            if tag is not None:
+                check_tag(tag)
+                return sorted(self._tags[tag].values()) if tag in self._tags else [tag]
+            return sorted({t for settings in self._tags.values() for t in settings.values()})
 
     # -- regions --------------------------------------------------------------------------------------------------
 
@@ -201,8 +216,8 @@ class TorchMemorySaver:
     @contextlib.contextmanager
     def _region(self, tag: str, backup: str) -> Iterator[None]:
         alloc = self._allocator()
-        self._use_tag(alloc, tag, backup)
-        with alloc.use_memory_pool(tag):
+        inner = self._use_tag(alloc, tag, backup)
+        with alloc.use_memory_pool(inner):
             yield
 
     def cuda_graph(
@@ -237,7 +252,7 @@ class TorchMemorySaver:
         backup: str,
     ) -> Iterator[None]:
         alloc = self._allocator()
-        self._use_tag(alloc, tag, backup)
+        tag = self._use_tag(alloc, tag, backup)
         # `fresh` takes a pool made for this capture alone: retired after it (the graph keeps what it uses).
         with pool_block(alloc.native, tag) as fresh:
             # torch types these more narrowly than it accepts them (and checks them itself).
@@ -418,8 +433,8 @@ def _apply_disk_dir(alloc: "Backend", path: str, name: str) -> None:
         raise CumemValueError(f"{name}={path!r} cannot hold disk backups: {e}") from e
 
 
-def _describe(backup: str) -> str:
-    return {_NONE: "no backup", _CPU: "enable_cpu_backup=True", _DISK: "enable_disk_backup=True"}[backup]
+#: The suffix of the allocator tag for memory of a tag with a second backup setting (`_use_tag`).
+_SHORT = {_NONE: "no_backup", _CPU: "cpu_backup", _DISK: "disk_backup"}
 
 
 #: The process-wide saver, as `torch_memory_saver.torch_memory_saver`.
