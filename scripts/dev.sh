@@ -18,9 +18,9 @@ setup() {
   if [ ! -x "$PY" ]; then
     python3 -m venv "$VENV"
   fi
-  if ! "$PY" -c "import torch, hypothesis, pytest, maturin, numpy, rich, mypy" >/dev/null 2>&1; then
+  if ! "$PY" -c "import torch, hypothesis, pytest, maturin, numpy, rich, mypy, matplotlib" >/dev/null 2>&1; then
     "$PY" -m pip install -q --upgrade pip
-    "$PY" -m pip install -q torch numpy "hypothesis>=6.100" "pytest>=7" "maturin>=1.5,<2" "rich>=13" mypy
+    "$PY" -m pip install -q torch numpy "hypothesis>=6.100" "pytest>=7" "maturin>=1.5,<2" "rich>=13" mypy matplotlib
   fi
 }
 

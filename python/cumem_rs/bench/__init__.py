@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from typing import Optional
@@ -43,7 +44,7 @@ from ..workload import (
     sim_granularity,
     total_bytes,
 )
-from . import alloc_count, file_tier, malloc, peer_tms, pin_ahead, retained, sleep_wake, wall
+from . import alloc_count, file_tier, malloc, peer_tms, pin_ahead, plot, retained, sleep_wake, wall
 from .common import Context, Results, fmt_bytes, fmt_seconds, print_table, say, timed
 from .limits import copy_limit, memcpy_gbps
 from .malloc import DEFAULT_MALLOC_COUNT, RawDriver, malloc_sizes
@@ -95,7 +96,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the file_tier table's spill directory (default: a fresh temporary directory)")
     p.add_argument("--no-tms", dest="tms", action="store_false",
                    help="skip the torch_memory_saver (peer) table even when it is installed")
-    p.add_argument("--json", metavar="PATH", help="also write every number to PATH as JSON")
+    p.add_argument("--json", metavar="PATH", help="also write every number to PATH as JSON (after each table)")
+    p.add_argument("--plot", metavar="PATH", type=plot.plot_path_arg,
+                   help="also draw each table's ratios against its limit into the PNG file PATH (needs matplotlib)")
+    p.add_argument("--from-json", metavar="JSON",
+                   help="run nothing: print the tables of JSON (written by --json) again, and draw them with --plot")
     p.add_argument("--tms-child", choices=["preload", "torch"], help=argparse.SUPPRESS)
 
 
@@ -147,6 +152,12 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit("error: --scale must be >= 1")
     if args.cycles < 0 or args.malloc_count < 1 or args.kv_gib < 0:
         raise SystemExit("error: --cycles and --kv-gib must be >= 0 and --malloc-count >= 1")
+    if args.from_json:
+        rows = plot.load_rows(args.from_json)
+        Results.from_rows(rows).print(f"cumem_rs benchmark ({args.from_json})")
+        if args.plot:
+            plot.plot_file(rows, args.plot, f"cumem_rs benchmark ({os.path.basename(args.from_json)})")
+        return 0
     if args.tms_child:
         out = peer_tms.tms_child(args)
         with open(args.json, "w") as f:
@@ -158,13 +169,20 @@ def run(args: argparse.Namespace) -> int:
     ctx = Context(args, backend, Results(), args.scale or (1 if backend == "cuda" else DEFAULT_SIM_SCALE))
     _describe(ctx)
     seconds = ctx.res.metrics["table_seconds"] = {}
+    title = f"cumem_rs sleep/wake benchmark ({backend}, scale 1/{ctx.res.metrics['scale']}, " \
+            f"{ctx.res.metrics['tensors']} tensors)"
     try:
         for name, table in TABLES.items():
             if name in args.only:
                 t0 = time.perf_counter()
+                first_row = len(ctx.res.rows)
                 table.run(ctx)
                 seconds[name] = time.perf_counter() - t0
                 say(f"table {name}: {seconds[name]:.1f} s")
+                # Each table as soon as it is done, and the JSON so far: a run cut short keeps what it measured.
+                ctx.res.print(title, ctx.res.rows[first_row:])
+                if args.json:
+                    _write_json(ctx.res, args.json, partial=True)
         if "peer" in args.only:
             peer_tms.finish(ctx)
     except VerificationError as e:
@@ -176,8 +194,9 @@ def run(args: argparse.Namespace) -> int:
         ctx.add_errors(Allocator.cuda().errors())
     m = ctx.res.metrics
     m["errors"] = ctx.errors
-    publish(ctx.res, f"cumem_rs sleep/wake benchmark ({backend}, scale 1/{m['scale']}, {m['tensors']} tensors)",
-            args.json)
+    publish(ctx.res, title, args.json)
+    if args.plot:
+        plot.plot_file(ctx.res.rows, args.plot, title)
     return 0
 
 
@@ -187,9 +206,13 @@ def publish(res: Results, title: str, json_path: Optional[str]) -> None:
     if res.metrics.get("errors"):
         print(f"allocator recorded errors: {res.metrics['errors']}")
     if json_path:
-        with open(json_path, "w") as f:
-            json.dump({"metrics": res.metrics, "rows": res.rows}, f, indent=1)
+        _write_json(res, json_path, partial=False)
         print(f"wrote {json_path}")
+
+
+def _write_json(res: Results, path: str, partial: bool) -> None:
+    with open(path, "w") as f:
+        json.dump({"metrics": res.metrics, "rows": res.rows, "partial": partial}, f, indent=1)
 
 
 def main(argv: Optional[list[str]] = None) -> int:

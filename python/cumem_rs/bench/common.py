@@ -71,6 +71,13 @@ class Results:
         self.metrics: dict[str, Any] = {}
         self._section = ""
 
+    @classmethod
+    def from_rows(cls, rows: list[dict]) -> "Results":
+        """Results holding `rows` as a JSON of `--json` has them (to print them again)."""
+        res = cls()
+        res.rows = list(rows)
+        return res
+
     def section(self, title: str) -> None:
         """Rows added from now on belong to the table titled `title`."""
         self._section = title
@@ -107,9 +114,10 @@ class Results:
     def skipped(self, name: str, reason: str) -> None:
         self._add(name=name, bytes=None, seconds=None, gbps=None, ratio=None, vs=f"skipped: {reason}")
 
-    def print(self, title: str) -> None:
+    def print(self, title: str, rows: Optional[list[dict]] = None) -> None:
+        """Print `rows` (default: all of them) as one table per section."""
         sections: dict[str, list[list[str]]] = {}
-        for r in self.rows:
+        for r in self.rows if rows is None else rows:
             sections.setdefault(r.get("table", ""), []).append([
                 r["name"],
                 fmt_bytes(r["bytes"]),

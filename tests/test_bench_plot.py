@@ -1,0 +1,73 @@
+"""The benchmark's chart (`bench --plot`, `bench --from-json`): what it draws, and the checks of its arguments."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from cumem_rs.bench import main as bench_main
+from cumem_rs.bench import plot
+
+ROWS = [
+    dict(table="sleep/wake", name="sleep, steady", bytes=1 << 30, seconds=0.02, gbps=53.0, ratio=0.96,
+         vs="device->host copy"),
+    dict(table="sleep/wake", name="wake, steady", bytes=1 << 30, seconds=0.02, gbps=60.0, ratio=1.08,
+         vs="host->device copy; compressed"),
+    dict(table="malloc", name="malloc+free", bytes=None, seconds=1e-5, gbps=None, ratio=0.9, vs="raw driver calls"),
+    dict(table="malloc", name="free of a big one", bytes=None, seconds=1e-3, gbps=None, ratio=1.4, vs="raw"),
+    dict(table="malloc", name="a value", bytes=5, seconds=None, gbps=None, ratio=None, vs=""),
+]
+
+
+def test_tables_keep_rows_with_a_ratio_and_say_which_beat_their_reference():
+    t = plot.tables(ROWS)
+    assert list(t) == ["sleep/wake", "malloc"]
+    # A rate beats its reference above 1, a time below 1; the note after ';' is left out of the label.
+    assert [(label, better) for label, _, better in t["sleep/wake"]] == [
+        ("sleep, steady (of device->host copy)", False),
+        ("wake, steady (of host->device copy)", True),
+    ]
+    assert [better for _, _, better in t["malloc"]] == [True, False]
+    assert all(len(label) <= plot.LABEL_CHARS for items in t.values() for label, _, _ in items)
+
+
+def test_plot_writes_a_png(tmp_path):
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "chart.png"
+    assert plot.plot_file(ROWS, str(out), "test") == str(out)
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plot_of_rows_without_ratios_draws_nothing(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "chart.png"
+    assert plot.plot_file([ROWS[-1]], str(out), "test") is None
+    assert not out.exists()
+    assert "no row" in capsys.readouterr().err
+
+
+def test_plot_path_is_checked_before_anything_runs(tmp_path):
+    with pytest.raises(argparse.ArgumentTypeError, match="PNG"):
+        plot.plot_path_arg(str(tmp_path / "chart.jpg"))
+    with pytest.raises(argparse.ArgumentTypeError, match="does not exist"):
+        plot.plot_path_arg(str(tmp_path / "missing" / "chart.png"))
+    assert plot.plot_path_arg(str(tmp_path / "chart.png")) == str(tmp_path / "chart.png")
+
+
+def test_from_json_redraws_a_saved_run(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    saved = tmp_path / "bench.json"
+    saved.write_text(json.dumps({"metrics": {}, "rows": ROWS, "partial": False}))
+    out = tmp_path / "chart.png"
+    assert bench_main(["--from-json", str(saved), "--plot", str(out)]) == 0
+    assert out.exists()
+    assert "wake, steady" in capsys.readouterr().out
+
+
+def test_from_json_of_something_else_names_the_file(tmp_path):
+    other = tmp_path / "other.json"
+    other.write_text("[1, 2]")
+    with pytest.raises(SystemExit, match="other.json"):
+        bench_main(["--from-json", str(other)])
