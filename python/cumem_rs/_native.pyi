@@ -38,6 +38,17 @@ __all__ = [
     "ffi_errors",
     "drain_logs",
     "_panic_in_next_ffi_call",
+    "preload_library",
+    "preload_register",
+    "preload_registered",
+    "preload_route_to",
+    "preload_set_init_enable",
+    "preload_init_enable",
+    "preload_push_region",
+    "preload_push_disabled",
+    "preload_pop",
+    "preload_routed_tag",
+    "preload_live_pointers",
 ]
 
 __version__: str
@@ -93,7 +104,8 @@ def preload_route_to(allocator: Optional[Allocator]) -> None:
     """Route allocations of the hook to `allocator` (None: the process-wide CUDA allocator)."""
 def preload_set_init_enable(on: bool) -> None:
     """TMS_INIT_ENABLE: route every thread's allocations outside regions (under the default tag)."""
-def preload_init_enable() -> bool: ...
+def preload_init_enable() -> bool:
+    """Whether TMS_INIT_ENABLE's routing is on."""
 def preload_push_region(tag: str) -> None:
     """Enter a region on this thread: its cudaMalloc calls are routed under `tag` until `preload_pop`."""
 def preload_push_disabled() -> None:

@@ -23,6 +23,7 @@ from typing import Optional
 
 from . import _native
 from ._native import CumemError, CumemValueError
+from ._pools import _get_alloc_conf
 
 _LOCK = threading.Lock()
 _PATH: Optional[str] = None
@@ -117,9 +118,10 @@ def active() -> bool:
 
 
 def check_alloc_conf(environ: Mapping[str, str]) -> None:
-    """Refuse torch allocator settings that bypass cudaMalloc (CumemValueError naming the variable)."""
-    for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
-        conf = environ.get(name) or ""
+    """Refuse torch allocator settings that bypass cudaMalloc (CumemValueError naming the variable, or the
+    settings torch holds when they were set at run time)."""
+    named = [(name, environ.get(name) or "") for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")]
+    for name, conf in [*named, ("torch's allocator settings", _get_alloc_conf())]:
         for pattern, why in _REFUSED_CONF:
             if pattern.search(conf):
                 raise CumemValueError(

@@ -13,8 +13,9 @@ that API is accepted, and the calls do what they do there, over `CuMemAllocator`
   regions that asked for it;
 * `pause(tag)` / `resume(tag)`: `CuMemAllocator.pause` / `resume` of that tag, or of every tag a region or graph
   of this object used when `tag` is None;
-* `cuda_graph(...)`: `torch.cuda.graph(...)` capturing into a pool of ours under `tag`, so graph memory pauses
-  too and replays are valid after resume (addresses never change);
+* `cuda_graph(...)`: `torch.cuda.graph(...)` with the capture's memory under `tag` (preload: its cudaMalloc calls
+  routed; torch: a pool of ours), so graph memory pauses too and replays are valid after resume (addresses never
+  change);
 * `disable()`: allocations inside go to torch's own allocator (and, in preload mode, to the CUDA runtime), as
   there;
 * `TMS_INIT_ENABLE=1` (preload mode): every allocation of every thread from the import of this module on, outside
@@ -296,8 +297,9 @@ class TorchMemorySaver:
     ) -> contextlib.AbstractContextManager[None]:
         """`torch.cuda.graph(cuda_graph, pool, stream, capture_error_mode)` whose memory is pausable under `tag`.
 
-        pool=None gives the graph a pool of its own (as torch does); a pool token from an earlier capture here
-        (`CUDAGraph.pool()`) is shared as it is; a token of one of torch's own pools
+        pool=None gives the graph a pool of its own (as torch does). In preload mode the pool is torch's own, as
+        given, and the capture's cudaMalloc calls are routed under `tag`. In torch mode a pool token from an
+        earlier capture here (`CUDAGraph.pool()`) is shared as it is; a token of one of torch's own pools
         (`torch.cuda.graph_pool_handle()`) is replaced by one pool of ours per token and device, so graphs that
         shared the token still share memory. Replays are valid after resume: addresses never change."""
         check_tag(tag)
@@ -320,7 +322,8 @@ class TorchMemorySaver:
         mode: Any = capture_error_mode  # torch types it more narrowly than it accepts it (and checks it itself)
         if self._preload:
             # The graph's pool is torch's own (the token as given); its cudaMalloc calls are routed under `tag`.
-            with torch.cuda.graph(cuda_graph, pool=key, stream=stream, capture_error_mode=mode):
+            given: Any = key
+            with torch.cuda.graph(cuda_graph, pool=given, stream=stream, capture_error_mode=mode):
                 with _preload.routed(tag):
                     yield
             return

@@ -46,6 +46,7 @@ fn preload_set_init_enable(on: &Bound<'_, PyAny>) -> PyResult<()> {
     })
 }
 
+/// Whether TMS_INIT_ENABLE's routing is on.
 #[pyfunction]
 fn preload_init_enable() -> bool {
     preload::init_enable()
