@@ -161,6 +161,13 @@ def test_a_process_that_never_imports_cumem_rs_runs_as_without_the_library():
     _check(_run(body, prelude=False))
 
 
+def test_a_program_that_is_not_python_loads_it_without_complaint():
+    # The library needs nothing but libc and libdl: a shell (and anything else a child starts) runs unchanged.
+    env = dict(os.environ, LD_PRELOAD=_preload.library_path())
+    out = subprocess.run(["/bin/sh", "-c", "echo fine"], env=env, capture_output=True, text=True, timeout=60)
+    assert (out.returncode, out.stdout, out.stderr) == (0, "fine\n", "")
+
+
 def test_calls_outside_regions_and_pointers_not_ours_are_forwarded():
     body = """
     saver._ensure_initialized()

@@ -3,8 +3,10 @@
 torch_memory_saver reads every `TMS_*` variable lazily, at its first use after import (its C++ singleton and
 per-thread config are built on the first call into the library), never at import. `cumem_rs.memory_saver` reads
 them once, when a saver initialises (`_ensure_initialized()`, the first call that needs the allocator), so a
-script may still set them after `import`. Values are checked: torch_memory_saver exits the process on a bad
-boolean; here it is a `CumemValueError` naming the variable.
+script may still set them after `import`. One exception: with the preload hook library loaded, a valid
+`TMS_INIT_ENABLE=1` already in the environment at the import of `cumem_rs.memory_saver` starts routing then, as
+torch_memory_saver's hook routes from the first allocation. Values are checked: torch_memory_saver exits the
+process on a bad boolean; here it is a `CumemValueError` naming the variable.
 """
 
 from __future__ import annotations
