@@ -69,7 +69,13 @@ def _run(body: str, **env: str) -> None:
 def test_training_engine_params_grads_and_adam_states_pause_to_the_initial_level():
     body = """
     assert _native.preload_init_enable()
-    torch.zeros(1, device="cuda")  # the context (not pausable) exists before the initial level is taken
+    # One small step first, so that the context and the lazily loaded kernel code (not pausable: not allocations)
+    # exist before the initial level is taken; its memory is cumem_rs's too and pauses with the rest.
+    warm = torch.nn.Linear(4096, 4096).cuda()
+    warm_opt = torch.optim.Adam(warm.parameters())
+    warm(torch.randn(256, 4096, device="cuda")).square().mean().backward()
+    warm_opt.step()
+    del warm, warm_opt
     initial = used()
     torch.manual_seed(0)
     # ~805 MB of fp32 params; grads and Adam's two states make ~3.2 GB.
