@@ -14,7 +14,7 @@ SRC = pathlib.Path(__file__).resolve().parent.parent / "rust" / "src"
 
 # Top-level modules by layer, highest first.
 LAYERS = [
-    ("bindings", {"python", "ffi", "global", "lib"}),
+    ("bindings", {"python", "ffi", "preload", "global", "lib"}),
     ("engine", {"engine"}),
     ("components", {"backups", "registry", "tags", "address_space", "transfer", "host"}),
     ("driver", {"driver"}),

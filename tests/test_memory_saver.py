@@ -54,7 +54,7 @@ def test_every_property_of_0_0_10_is_settable(name):
 def test_module_level_names():
     assert isinstance(torch_memory_saver, TorchMemorySaver)
     assert torch_memory_saver.enabled is True
-    with configure_subprocess():  # no LD_PRELOAD needed: a no-op
+    with configure_subprocess():  # LD_PRELOAD for children: the preload hook library (test_preload.py)
         pass
 
 

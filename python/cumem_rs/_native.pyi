@@ -38,6 +38,17 @@ __all__ = [
     "ffi_errors",
     "drain_logs",
     "_panic_in_next_ffi_call",
+    "preload_library",
+    "preload_register",
+    "preload_registered",
+    "preload_route_to",
+    "preload_set_init_enable",
+    "preload_init_enable",
+    "preload_push_region",
+    "preload_push_disabled",
+    "preload_pop",
+    "preload_routed_tag",
+    "preload_live_pointers",
 ]
 
 __version__: str
@@ -81,6 +92,30 @@ def cuda_available() -> bool:
 
 def ffi_errors() -> list[str]:
     """Errors recorded by my_malloc/my_free while no CUDA allocator existed to record them (e.g. no GPU)."""
+
+# The preload hook (cumem_rs._preload and memory_saver's hook_mode="preload" use these).
+def preload_library() -> bytes:
+    """The preload hook library (a shared object) to write to a file for LD_PRELOAD."""
+def preload_register() -> bool:
+    """Install the hooks in the preload library if it is loaded in this process; False when it is not."""
+def preload_registered() -> bool:
+    """Whether the hooks are installed in a preloaded library in this process."""
+def preload_route_to(allocator: Optional[Allocator]) -> None:
+    """Route allocations of the hook to `allocator` (None: the process-wide CUDA allocator)."""
+def preload_set_init_enable(on: bool) -> None:
+    """TMS_INIT_ENABLE: route every thread's allocations outside regions (under the default tag)."""
+def preload_init_enable() -> bool:
+    """Whether TMS_INIT_ENABLE's routing is on."""
+def preload_push_region(tag: str) -> None:
+    """Enter a region on this thread: its cudaMalloc calls are routed under `tag` until `preload_pop`."""
+def preload_push_disabled() -> None:
+    """Enter disable() on this thread: its cudaMalloc calls go to the runtime until `preload_pop`."""
+def preload_pop() -> None:
+    """Leave this thread's innermost region or disable()."""
+def preload_routed_tag() -> Optional[str]:
+    """The tag a cudaMalloc on this thread would get now; None: it would go to the runtime."""
+def preload_live_pointers() -> int:
+    """How many pointers the hook handed out that are not freed yet."""
 
 def drain_logs() -> list[tuple[int, str]]:
     """Rust-side log records queued since the last call, oldest first: (Python logging level, message)."""

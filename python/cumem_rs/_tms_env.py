@@ -3,8 +3,10 @@
 torch_memory_saver reads every `TMS_*` variable lazily, at its first use after import (its C++ singleton and
 per-thread config are built on the first call into the library), never at import. `cumem_rs.memory_saver` reads
 them once, when a saver initialises (`_ensure_initialized()`, the first call that needs the allocator), so a
-script may still set them after `import`. Values are checked: torch_memory_saver exits the process on a bad
-boolean; here it is a `CumemValueError` naming the variable.
+script may still set them after `import`. One exception: with the preload hook library loaded, a valid
+`TMS_INIT_ENABLE=1` already in the environment at the import of `cumem_rs.memory_saver` starts routing then, as
+torch_memory_saver's hook routes from the first allocation. Values are checked: torch_memory_saver exits the
+process on a bad boolean; here it is a `CumemValueError` naming the variable.
 """
 
 from __future__ import annotations
@@ -22,16 +24,6 @@ CPU_BACKUP_BACKENDS = ("mmap", "pinned")
 #: torch_memory_saver's disk staging chunk when TMS_DISK_BACKUP_CHUNK_MB is unset or 0.
 DEFAULT_DISK_CHUNK_MB = 256
 
-#: What preload mode would need; named by the error when TMS_INIT_ENABLE asks for it.
-PRELOAD_NOT_IMPLEMENTED = (
-    "TMS_INIT_ENABLE=1 asks torch_memory_saver's preload hook mode to route every CUDA allocation from process "
-    "start (on every thread, outside any region) into the saver. cumem_rs.memory_saver does not implement the "
-    "preload hook library yet (item 3 of the torch_memory_saver parity work: an LD_PRELOAD library defining "
-    "cudaMalloc/cudaFree); it routes allocations only inside region() and cuda_graph(). Unset TMS_INIT_ENABLE "
-    "(or set it to 0) and wrap the allocations to pause in region()"
-)
-
-
 def _bool(env: Mapping[str, str], name: str) -> bool:
     value = env.get(name)
     if value is None:
@@ -47,7 +39,8 @@ def _bool(env: Mapping[str, str], name: str) -> bool:
 class TmsEnv:
     """The `TMS_*` settings of one saver, with torch_memory_saver's defaults."""
 
-    #: TMS_INIT_ENABLE: route allocations outside regions too (preload mode only; refused here).
+    #: TMS_INIT_ENABLE: route every thread's allocations outside regions too, under the default tag (preload mode
+    #: only: the hook library must be loaded in the process).
     init_enable: bool = False
     #: TMS_INIT_ENABLE_CPU_BACKUP / TMS_INIT_ENABLE_DISK_BACKUP: the backup of allocations outside regions, which
     #: only TMS_INIT_ENABLE routes (regions always say their own).
@@ -65,7 +58,7 @@ class TmsEnv:
 
 def read_tms_env(env: Mapping[str, str]) -> TmsEnv:
     """Parse and check the `TMS_*` variables of `env` (os.environ). Raises CumemValueError naming a variable with a
-    bad value, NotImplementedError when TMS_INIT_ENABLE asks for the preload hook."""
+    bad value."""
     backend = env.get("TMS_INIT_CPU_BACKUP_BACKEND") or "pinned"  # unset or empty: pinned, as there
     if backend not in CPU_BACKUP_BACKENDS:
         raise CumemValueError(f"TMS_INIT_CPU_BACKUP_BACKEND must be 'mmap' or 'pinned' (or unset), got {backend!r}")
@@ -96,6 +89,5 @@ def read_tms_env(env: Mapping[str, str]) -> TmsEnv:
         raise CumemValueError(
             "TMS_INIT_ENABLE_CPU_BACKUP and TMS_INIT_ENABLE_DISK_BACKUP are mutually exclusive; set at most one"
         )
-    if parsed.init_enable:
-        raise NotImplementedError(PRELOAD_NOT_IMPLEMENTED)
     return parsed
+

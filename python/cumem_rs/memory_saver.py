@@ -3,13 +3,23 @@
 A drop-in for `from torch_memory_saver import torch_memory_saver` (version 0.0.10): every call and argument of
 that API is accepted, and the calls do what they do there, over `CuMemAllocator`'s machinery:
 
-* `region(tag, enable_cpu_backup)`: `CuMemAllocator.use_memory_pool(tag)`, with the tag's policy set to
-  `backup=enable_cpu_backup` (`set_tag_policy`), so that `pause` backs up exactly the regions that asked for it;
+* `hook_mode`: "preload" (torch_memory_saver's default) routes the `cudaMalloc` calls of torch's own caching
+  allocator through the preload hook library (`LD_PRELOAD`, see `configure_subprocess()`), on every thread; "torch"
+  routes through torch's pluggable allocator and a MemPool per region (no `LD_PRELOAD` needed). Left unset, a
+  saver uses "preload" when the hook library is loaded in the process and "torch" otherwise;
+* `region(tag, enable_cpu_backup)`: the calling thread's allocations inside go to cumem_rs under `tag` (preload:
+  the hook, with a private torch MemPool per tag and backup as there; torch: `CuMemAllocator.use_memory_pool`),
+  with the tag's policy set to `backup=enable_cpu_backup` (`set_tag_policy`), so that `pause` backs up exactly the
+  regions that asked for it;
 * `pause(tag)` / `resume(tag)`: `CuMemAllocator.pause` / `resume` of that tag, or of every tag a region or graph
   of this object used when `tag` is None;
-* `cuda_graph(...)`: `torch.cuda.graph(...)` capturing into a pool of ours under `tag`, so graph memory pauses
-  too and replays are valid after resume (addresses never change);
-* `disable()`: allocations inside go to torch's own allocator, as there;
+* `cuda_graph(...)`: `torch.cuda.graph(...)` with the capture's memory under `tag` (preload: its cudaMalloc calls
+  routed; torch: a pool of ours), so graph memory pauses too and replays are valid after resume (addresses never
+  change);
+* `disable()`: allocations inside go to torch's own allocator (and, in preload mode, to the CUDA runtime), as
+  there;
+* `TMS_INIT_ENABLE=1` (preload mode): every allocation of every thread from the import of this module on, outside
+  regions and `disable()`, is cumem_rs's under the tag "default", backed up per `TMS_INIT_ENABLE_CPU_BACKUP`;
 * `enable_disk_backup` / `set_disk_backup_dir`: the tag's backups go to the file tier (`backup_tier="file"`,
   `set_spill_dir`);
 * `retain_cpu_backup` (False by default, as there): the allocator's `set_keep_host_memory`; without it a resume
@@ -17,8 +27,7 @@ that API is accepted, and the calls do what they do there, over `CuMemAllocator`
 * the `TMS_*` environment variables, read when the saver initialises (`_tms_env.py`).
 
 Where torch_memory_saver exits the process (a CUDA error, pausing a paused tag, an unknown tensor, a bad
-environment value), this raises a Python exception instead; what is not implemented (the preload hook that
-`TMS_INIT_ENABLE=1` needs) raises `NotImplementedError` naming it. The README section "Switching from
+environment value), this raises a Python exception instead. The README section "Switching from
 torch_memory_saver" lists every difference.
 """
 
@@ -35,6 +44,7 @@ from typing import TYPE_CHECKING, Any, Literal, Optional, Union
 
 import torch
 
+from . import _native, _preload
 from ._native import CumemError, CumemOutOfMemoryError, CumemTypeError, CumemValueError
 from ._pools import check_tag, new_pool, pool_activity, pool_block
 from ._tms_env import CPU_BACKUP_BACKENDS, TmsEnv, read_tms_env
@@ -85,11 +95,11 @@ def _pool_key(pool: object) -> tuple[int, int]:
     )
 
 
-@contextlib.contextmanager
-def configure_subprocess() -> Iterator[None]:
-    """torch_memory_saver sets LD_PRELOAD for child processes here; cumem_rs has no preload library yet (it hooks
-    allocations through torch's pluggable allocator in each process), so this does nothing."""
-    yield
+def configure_subprocess() -> contextlib.AbstractContextManager[None]:
+    """Child processes started inside the block load the preload hook library (it is put first in LD_PRELOAD, as
+    torch_memory_saver does; the previous value is restored at exit), so that hook_mode="preload" and
+    TMS_INIT_ENABLE=1 work there."""
+    return _preload.configure_subprocess()
 
 
 class TorchMemorySaver:
@@ -103,7 +113,13 @@ class TorchMemorySaver:
         self._backend = _backend
         self._alloc: Optional[Backend] = None
         self._env = TmsEnv()
-        self._hook_mode: HookMode = "preload"
+        # The hook_mode set by the user (None: not set, see `hook_mode`) and, once initialised, whether this saver
+        # routes through the preload hook.
+        self._hook_mode: Optional[HookMode] = None
+        self._preload = False
+        # Preload mode: torch's own MemPool per (tag, backup, device) of a region, as torch_memory_saver keeps them,
+        # so that region memory and other memory never share torch's cached blocks.
+        self._region_pools: dict[tuple[str, str, int], torch.cuda.MemPool] = {}
         self._memory_margin_bytes = 0
         # Every tag a region or graph of this object used, with its backup (one setting per tag).
         # Per tag of the API: backup setting -> the allocator tag holding that memory (`_use_tag`).
@@ -120,15 +136,18 @@ class TorchMemorySaver:
 
     def _ensure_initialized(self) -> None:
         """Read the `TMS_*` environment and set up the allocator, once (later calls return at once), as
-        torch_memory_saver does on its first use. Raises CumemValueError naming a variable with a bad value,
-        NotImplementedError for TMS_INIT_ENABLE=1 (the preload hook), CumemError without a usable GPU; after a
-        failure the next call tries again."""
+        torch_memory_saver does on its first use, and choose the hook mode (see `hook_mode`). Raises
+        CumemValueError naming a variable with a bad value (TMS_*, or a PYTORCH_CUDA_ALLOC_CONF that bypasses
+        cudaMalloc in preload mode), CumemError when preload mode (or TMS_INIT_ENABLE=1) is asked for and the hook
+        library is not loaded in this process, or without a usable GPU; after a failure the next call tries
+        again."""
         if self._alloc is not None:
             return
         with self._init_lock:
             if self._alloc is not None:
                 return
             env = read_tms_env(os.environ)
+            preload = self._choose_preload(env)
             if self._backend is not None:
                 alloc = self._backend
             else:
@@ -146,8 +165,41 @@ class TorchMemorySaver:
                     raise CumemValueError(f"TMS_DISK_BACKUP_CHUNK_MB={env.disk_backup_chunk_mb}: {e}") from e
             # torch_memory_saver's default: the backup's host memory goes back to the OS at resume.
             alloc.native.set_keep_host_memory(env.retain_cpu_backup)
+            if preload:
+                _native.preload_route_to(alloc.native)
+                if env.init_enable:
+                    self._use_tag(alloc, _TAG_DEFAULT, _init_backup(env))
+                _native.preload_set_init_enable(env.init_enable)
+            self._preload = preload
             self._env = env
             self._alloc = alloc
+
+    def _choose_preload(self, env: TmsEnv) -> bool:
+        """Whether this saver routes through the preload hook: hook_mode "preload" set explicitly (the library must
+        be loaded), or left unset while the library is loaded in this process."""
+        loaded = _preload.activate()
+        preload = self._hook_mode == "preload" or (self._hook_mode is None and loaded)
+        if preload and not loaded:
+            raise CumemError(
+                "hook_mode='preload' needs the preload hook library loaded in this process, which it is not: start "
+                "the process inside cumem_rs.memory_saver.configure_subprocess() (or with LD_PRELOAD="
+                f"{_preload.library_path()}), or use hook_mode='torch'"
+            )
+        if env.init_enable and not preload:
+            if self._hook_mode == "torch":
+                raise CumemValueError(
+                    "TMS_INIT_ENABLE=1 routes allocations outside regions, which only hook_mode='preload' does; "
+                    "unset TMS_INIT_ENABLE or use hook_mode='preload'"
+                )
+            raise CumemError(
+                "TMS_INIT_ENABLE=1 routes every CUDA allocation outside regions into the saver, through the preload "
+                "hook library, which is not loaded in this process: start the process inside "
+                "cumem_rs.memory_saver.configure_subprocess() (or with LD_PRELOAD="
+                f"{_preload.library_path()}), or unset TMS_INIT_ENABLE and wrap the allocations to pause in region()"
+            )
+        if preload:
+            _preload.check_alloc_conf(os.environ)
+        return preload
 
     def _allocator(self) -> "Backend":
         """The allocator, after `_ensure_initialized` (raises CumemError without a usable GPU)."""
@@ -217,8 +269,36 @@ class TorchMemorySaver:
     def _region(self, tag: str, backup: str) -> Iterator[None]:
         alloc = self._allocator()
         inner = self._use_tag(alloc, tag, backup)
-        with alloc.use_memory_pool(inner):
+        if not self._preload:
+            with alloc.use_memory_pool(inner):
+                yield
+            return
+        with contextlib.ExitStack() as stack:
+            if self._backend is None:  # torch's tensors (a simulated backend has none)
+                stack.enter_context(self._region_pool((inner, backup, torch.cuda.current_device())))
+            stack.enter_context(_preload.routed(inner))
             yield
+
+    @contextlib.contextmanager
+    def _region_pool(self, key: tuple[str, str, int]) -> Iterator[None]:
+        """Route this thread's torch allocations to the region's own pool of torch's caching allocator."""
+        with pool_block():  # no pool is dropped while this block routes
+            with self._lock:
+                pool = self._region_pools.get(key)
+                if pool is None:
+                    if not self._region_pools:
+                        atexit.register(self._release_region_pools)
+                    pool = self._region_pools[key] = torch.cuda.MemPool()
+            with torch.cuda.use_mem_pool(pool):
+                yield
+
+    def _release_region_pools(self) -> None:
+        """Drop the region pools before interpreter teardown (once no pool block is active)."""
+        with self._lock:
+            pools = list(self._region_pools.values())
+            self._region_pools.clear()
+        atexit.unregister(self._release_region_pools)
+        pool_activity.retire(pools)
 
     def cuda_graph(
         self,
@@ -232,8 +312,9 @@ class TorchMemorySaver:
     ) -> contextlib.AbstractContextManager[None]:
         """`torch.cuda.graph(cuda_graph, pool, stream, capture_error_mode)` whose memory is pausable under `tag`.
 
-        pool=None gives the graph a pool of its own (as torch does); a pool token from an earlier capture here
-        (`CUDAGraph.pool()`) is shared as it is; a token of one of torch's own pools
+        pool=None gives the graph a pool of its own (as torch does). In preload mode the pool is torch's own, as
+        given, and the capture's cudaMalloc calls are routed under `tag`. In torch mode a pool token from an
+        earlier capture here (`CUDAGraph.pool()`) is shared as it is; a token of one of torch's own pools
         (`torch.cuda.graph_pool_handle()`) is replaced by one pool of ours per token and device, so graphs that
         shared the token still share memory. Replays are valid after resume: addresses never change."""
         check_tag(tag)
@@ -253,11 +334,18 @@ class TorchMemorySaver:
     ) -> Iterator[None]:
         alloc = self._allocator()
         tag = self._use_tag(alloc, tag, backup)
+        mode: Any = capture_error_mode  # torch types it more narrowly than it accepts it (and checks it itself)
+        if self._preload:
+            # The graph's pool is torch's own (the token as given); its cudaMalloc calls are routed under `tag`.
+            given: Any = key
+            with torch.cuda.graph(cuda_graph, pool=given, stream=stream, capture_error_mode=mode):
+                with _preload.routed(tag):
+                    yield
+            return
         # `fresh` takes a pool made for this capture alone: retired after it (the graph keeps what it uses).
         with pool_block(alloc.native, tag) as fresh:
             # torch types these more narrowly than it accepts them (and checks them itself).
             token: Any = self._graph_pool_id(key, fresh)
-            mode: Any = capture_error_mode
             with torch.cuda.graph(cuda_graph, pool=token, stream=stream, capture_error_mode=mode):
                 yield
 
@@ -291,11 +379,18 @@ class TorchMemorySaver:
     @contextlib.contextmanager
     def disable(self) -> Iterator[None]:
         """Inside the block, allocations on this thread go to torch's own caching allocator (a private pool of
-        it), not to the enclosing region; tensors made here are never paused."""
-        with pool_block() as retire:  # no tag: these allocations are torch's, not ours
-            retire.append(torch.cuda.MemPool())
-            with torch.cuda.use_mem_pool(retire[0]):
-                yield
+        it, dropped at exit) and, in preload mode, to the CUDA runtime, not to the enclosing region or to
+        TMS_INIT_ENABLE's routing; tensors made here are never paused."""
+        if self._alloc is None and (self._hook_mode == "preload" or (self._hook_mode is None and _preload.active())):
+            self._ensure_initialized()
+        with contextlib.ExitStack() as stack:
+            if self._preload:
+                stack.enter_context(_preload.forwarded())
+            if self._backend is None:  # torch's tensors (a simulated backend has none)
+                retire = stack.enter_context(pool_block())  # no tag: these allocations are torch's, not ours
+                retire.append(torch.cuda.MemPool())
+                stack.enter_context(torch.cuda.use_mem_pool(retire[0]))
+            yield
 
     # -- pause / resume -------------------------------------------------------------------------------------------
 
@@ -343,15 +438,23 @@ class TorchMemorySaver:
 
     @property
     def hook_mode(self) -> HookMode:
-        """Accepted for compatibility and without effect: cumem_rs always hooks allocations through torch's
-        pluggable allocator (torch_memory_saver's "torch" mode, but with pausable CUDA graphs as in "preload"),
-        so no LD_PRELOAD is needed."""
-        return self._hook_mode
+        """How allocations reach cumem_rs: "preload" (torch_memory_saver's default; the preload hook library must
+        be loaded in the process: `configure_subprocess()`) or "torch" (torch's pluggable allocator, no LD_PRELOAD;
+        CUDA graphs are pausable in both). Unset, it reads "preload" and the saver uses "preload" when the hook
+        library is loaded in the process, else "torch"; after set-up it is the mode in use. Set it before the
+        first call that sets the saver up, as there."""
+        if self._alloc is not None:
+            return "preload" if self._preload else "torch"
+        return self._hook_mode or "preload"
 
     @hook_mode.setter
     def hook_mode(self, value: HookMode) -> None:
         if value not in _HOOK_MODES:
             raise CumemValueError(f"hook_mode must be one of {_HOOK_MODES}, got {value!r}")
+        if self._alloc is not None and value != self.hook_mode:
+            raise CumemValueError(
+                f"hook_mode cannot change once the saver is set up (it uses {self.hook_mode!r}); set it first"
+            )
         self._hook_mode = value
 
     @property
@@ -436,6 +539,24 @@ def _apply_disk_dir(alloc: "Backend", path: str, name: str) -> None:
 #: The suffix of the allocator tag for memory of a tag with a second backup setting (`_use_tag`).
 _SHORT = {_NONE: "no_backup", _CPU: "cpu_backup", _DISK: "disk_backup"}
 
+
+def _init_backup(env: TmsEnv) -> str:
+    """The backup of TMS_INIT_ENABLE's allocations (outside regions)."""
+    return _CPU if env.init_enable_cpu_backup else _DISK if env.init_enable_disk_backup else _NONE
+
+
+def _route_from_import() -> None:
+    """Install the hooks if the library is preloaded and, with TMS_INIT_ENABLE=1, route every allocation from now
+    on (torch_memory_saver routes from process start; allocations before this import stay the runtime's). A
+    failure here routes nothing; the saver's set-up reports it."""
+    try:
+        if _preload.activate() and read_tms_env(os.environ).init_enable:
+            _native.preload_set_init_enable(True)
+    except CumemError:  # CumemValueError too: a bad TMS_* value
+        pass
+
+
+_route_from_import()
 
 #: The process-wide saver, as `torch_memory_saver.torch_memory_saver`.
 torch_memory_saver = TorchMemorySaver()

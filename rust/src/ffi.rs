@@ -28,7 +28,7 @@ pub fn ffi_errors() -> Vec<String> {
     FFI_ERRORS.lock().clone()
 }
 
-fn record(context: &str, e: &Error) {
+pub(crate) fn record(context: &str, e: &Error) {
     match global::existing_cuda_engine() {
         Some(engine) => engine.record_error(context, e),
         None => {

@@ -16,6 +16,7 @@ pub mod global;
 pub mod host;
 pub mod host_guard;
 pub mod logbuf;
+pub mod preload;
 pub mod registry;
 pub mod tags;
 pub mod transfer;
