@@ -111,7 +111,6 @@ def _failed_sleep_half_written(a: Allocator, tmp_path):
     return xs
 
 
-@pytest.mark.xfail(strict=True, reason="open: blocks written for allocations a failed sleep left awake are not punched")
 def test_failed_sleep_leaves_disk_blocks_of_awake_allocations_in_the_spill_file(a, tmp_path):
     """After a failed file-tier sleep, the blocks already written for allocations that stayed awake are not
     given back (no punched hole): the spill file holds more disk than the backups in it, until the asleep
@@ -123,7 +122,6 @@ def test_failed_sleep_leaves_disk_blocks_of_awake_allocations_in_the_spill_file(
     )
 
 
-@pytest.mark.xfail(strict=True, reason="open: blocks written for allocations a failed sleep left awake are not punched")
 def test_failed_sleep_leaked_disk_blocks_grow_with_each_retry(a, tmp_path):
     """The leak compounds: a retried sleep that fails the same way leaves a second file with more dead blocks
     while the first is still held by the backup that did go to sleep."""

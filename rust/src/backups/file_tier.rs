@@ -203,8 +203,9 @@ fn chunks(sizes: impl Iterator<Item = usize>, slot: usize) -> Vec<(usize, usize,
 impl FileSleep {
     /// Copy every job device -> ring -> file. `done` gets each job whose bytes are all written, with its backup
     /// (the caller releases the allocation); after the first failure nothing more is handed to `done`, every copy
-    /// and write in flight is waited for, and the failure is returned. Ok: the bytes written. A writer thread
-    /// that could not start goes to `refused` (its work ran on the others, or on this thread).
+    /// and write in flight is waited for, the blocks already written for the jobs not handed over are given back
+    /// (their allocations stay awake), and the failure is returned. Ok: the bytes written. A writer thread that
+    /// could not start goes to `refused` (its work ran on the others, or on this thread).
     pub fn write_out(
         &self,
         driver: &dyn Driver,
@@ -220,10 +221,18 @@ impl FileSleep {
                 offset: j.offset,
             })
             .collect();
-        write_pieces(driver, &self.ring, &*self.io, &pieces, refused, |j| {
+        let mut handed = vec![false; self.jobs.len()];
+        let written = write_pieces(driver, &self.ring, &*self.io, &pieces, refused, |j| {
+            handed[j] = true;
             let job = &self.jobs[j];
             done(job, Backup::in_file(&self.file, job.offset, job.size))
-        })
+        });
+        // No backup (`FileRegion`) holds the blocks of a job not handed over, and no write is in flight any more:
+        // punched now, or they would stay on disk as long as a backup that did go to sleep keeps the file open.
+        for (job, _) in self.jobs.iter().zip(&handed).filter(|(_, h)| !**h) {
+            self.file.punch(job.offset, io_len(job.size));
+        }
+        written
     }
 }
 
