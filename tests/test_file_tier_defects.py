@@ -43,7 +43,6 @@ def _retained(a: Allocator, tag: str, granules: int) -> tuple[int, bytes]:
     return addr, data
 
 
-@pytest.mark.xfail(strict=True, reason="open: a retained host backup is reused past a lowered budget")
 def test_retained_backups_escape_a_lowered_host_budget_without_spill_dir(a):
     """A retained host backup made before the budget was set is reused by the next sleep: that sleep is not
     refused though its backups are past the budget, and host_bytes() stays above the budget for good."""
@@ -63,7 +62,6 @@ def test_retained_backups_escape_a_lowered_host_budget_without_spill_dir(a):
     assert a.read(addr, len(data)) == data
 
 
-@pytest.mark.xfail(strict=True, reason="open: a retained host backup is reused past a lowered budget")
 def test_retained_backups_stay_on_the_host_past_a_lowered_budget_with_a_spill_dir(a, tmp_path):
     """With a spill directory, what passes the budget should go to files; a retained host backup stays on the
     host instead (host_tier_bytes past a budget of 0)."""
@@ -78,7 +76,6 @@ def test_retained_backups_stay_on_the_host_past_a_lowered_budget_with_a_spill_di
     assert a.read(addr, len(data)) == data
 
 
-@pytest.mark.xfail(strict=True, reason="open: a retained host backup overrides backup_tier='file'")
 def test_retained_host_backup_ignores_backup_tier_file(a, tmp_path):
     """backup_tier="file" is "always the spill directory"; an allocation with a retained host backup sleeps into
     host memory instead."""

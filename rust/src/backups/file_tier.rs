@@ -483,6 +483,16 @@ impl BackupStore {
 
     // ----- sleep -----------------------------------------------------------------------------------------
 
+    /// Whether the retained backup of `addr` lies in the other tier than `tier` asks for: in a file for "host",
+    /// in host memory for "file". The sleep then drops it and makes a fresh backup where the policy says.
+    pub fn retained_in_other_tier(&self, addr: DevPtr, tier: BackupTier) -> bool {
+        match tier {
+            BackupTier::Host => self.is_retained_in_file(addr),
+            BackupTier::File => self.is_retained(addr) && !self.is_retained_in_file(addr),
+            BackupTier::Auto => false,
+        }
+    }
+
     /// Sleep, before anything is released: split `wanted` ((addr, device, size, tier) of the allocations to back
     /// up now, in the sleep's order) into those backed up in host memory (returned) and a planned file sleep for
     /// the rest: space checked, file created, ring pinned. Refused, changing nothing, when a tag asks for files
@@ -492,6 +502,8 @@ impl BackupStore {
         wanted: &[(DevPtr, i32, usize, BackupTier)],
         log: &mut ErrorLog,
     ) -> Result<(Vec<DevPtr>, Option<FileSleep>)> {
+        // Arenas that retained backups dropped by this sleep left unused no longer count against the budget.
+        self.give_back_unused(log);
         // Host room: the budget's, and with a spill directory also what the host RAM guard lets us pin (the
         // cached arena is pinned already; the staging ring, if not yet, is to be), so that "auto" parks more than
         // host RAM instead of being refused.

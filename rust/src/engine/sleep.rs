@@ -5,7 +5,7 @@ use std::time::Instant;
 
 use super::policy::Policies;
 use super::{tag_set, Engine, Inner, Report};
-use crate::backups::{Backup, BackupTier, FileRewrite, FileSleep, SleepPrints, THREAD_REFUSED};
+use crate::backups::{Backup, FileRewrite, FileSleep, SleepPrints, THREAD_REFUSED};
 use crate::driver::DevPtr;
 use crate::error::{Error, Result};
 use crate::host::HostBuffer;
@@ -86,16 +86,16 @@ impl Engine {
         // Not offloaded this time: a retained backup of these would go stale.
         inner.backups.drop_retained(&bare);
         let mut retained = inner.backups.split_retained(&mut backed);
-        // A retained file backup of a tag whose policy now says "host" is dropped: the tag goes to host memory.
-        let (to_host, kept): (Vec<DevPtr>, Vec<DevPtr>) = retained.into_iter().partition(|a| {
+        // A retained backup in the other tier than its tag's policy now says ("host", "file") is dropped: a fresh
+        // backup goes where the policy says.
+        let (retier, kept): (Vec<DevPtr>, Vec<DevPtr>) = retained.into_iter().partition(|a| {
             let tag = &inner.reg.get(*a).expect("selected").tag;
-            inner.backups.is_retained_in_file(*a)
-                && inner.policies.backup_tier(tag) == BackupTier::Host
+            (inner.backups).retained_in_other_tier(*a, inner.policies.backup_tier(tag))
         });
         retained = kept;
-        if !to_host.is_empty() {
-            inner.backups.drop_retained(&to_host);
-            backed.extend(to_host);
+        if !retier.is_empty() {
+            inner.backups.drop_retained(&retier);
+            backed.extend(retier);
             backed.sort_unstable();
         }
 
