@@ -218,7 +218,6 @@ def test_backup_bytes_of_counts_file_tier_backups_as_host_memory(a, tmp_path):
 
 
 
-@pytest.mark.xfail(strict=True, reason="open: auto sets the staging ring's room aside before it knows files are needed")
 def test_auto_reserves_the_staging_ring_out_of_host_room_even_when_everything_fits(tmp_path):
     """"auto": host memory while the host RAM guard has room, files for the rest. With 300 MiB the host can pin
     and a 100 MiB sleep, everything fits in host memory; but the plan takes the (default 256 MiB) staging ring
@@ -241,7 +240,6 @@ def test_auto_reserves_the_staging_ring_out_of_host_room_even_when_everything_fi
         a.close()
 
 
-@pytest.mark.xfail(strict=False, reason="open: auto plans against the host guard as if the pinned-ahead cells were gone (how much spills depends on the worker's progress)")
 def test_a_sleep_during_pinning_ahead_spills_what_the_pinned_buffer_was_for(tmp_path):
     """With a spill directory "auto" fills host memory as far as the host RAM guard allows. A sleep that comes
     while the pin-ahead worker is still pinning (the buffer reserved for exactly this sleep) counts the worker's

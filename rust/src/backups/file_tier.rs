@@ -502,55 +502,19 @@ impl BackupStore {
         wanted: &[(DevPtr, i32, usize, BackupTier)],
         log: &mut ErrorLog,
     ) -> Result<(Vec<DevPtr>, Option<FileSleep>)> {
+        if self.spill.is_some() && wanted.iter().any(|w| w.3 == BackupTier::Auto) {
+            // A buffer being pinned ahead is this sleep's to take (`arena_for_sleep` would stop the worker too):
+            // stopped now, its pinned cells count as host room the sleep has, not as memory the host lost.
+            self.stop_pin_ahead(log);
+        }
         // Arenas that retained backups dropped by this sleep left unused no longer count against the budget.
         self.give_back_unused(log);
-        // Host room: the budget's, and with a spill directory also what the host RAM guard lets us pin (the
-        // cached arena is pinned already; the staging ring, if not yet, is to be), so that "auto" parks more than
-        // host RAM instead of being refused.
-        let ring = match self.ring {
-            Some(_) => 0,
-            None => {
-                let (slot, slots) = StagingRing::shape(self.staging_bytes);
-                slot * slots
-            }
-        };
-        let guard = (self.spill.is_some())
-            .then(|| self.room.available())
-            .flatten()
-            .map(|a| {
-                a.saturating_add(self.host.cached_bytes())
-                    .saturating_sub(ring)
-            });
-        let mut room = [self.budget_room(), guard]
-            .into_iter()
-            .flatten()
-            .min()
-            .unwrap_or(usize::MAX);
-        // Host-tier allocations take their room first: they have no other place.
-        let forced: usize = (wanted.iter())
-            .filter(|w| {
-                w.3 == BackupTier::Host || (w.3 == BackupTier::Auto && self.spill.is_none())
-            })
-            .map(|w| w.2)
-            .sum();
-        room = room.saturating_sub(forced);
-        let (mut host, mut to_file) = (Vec::new(), Vec::new());
-        for &(addr, device, size, tier) in wanted {
-            let file = match tier {
-                BackupTier::Host => false,
-                BackupTier::File => true,
-                BackupTier::Auto if self.spill.is_none() => false,
-                BackupTier::Auto if size <= room => {
-                    room -= size;
-                    false
-                }
-                BackupTier::Auto => true,
-            };
-            if file {
-                to_file.push((addr, device, size));
-            } else {
-                host.push(addr);
-            }
+        // First without the staging ring, which is pinned only when something goes to a file: with the ring's
+        // room set aside from the start, a sleep that fits in host memory would spill the ring's size for nothing.
+        let (mut host, mut to_file) = self.split_tiers(wanted, self.host_room(0));
+        if !to_file.is_empty() && self.ring.is_none() {
+            let (slot, slots) = StagingRing::shape(self.staging_bytes);
+            (host, to_file) = self.split_tiers(wanted, self.host_room(slot * slots));
         }
         if to_file.is_empty() {
             return Ok((host, None));
@@ -587,6 +551,61 @@ impl BackupStore {
                 jobs,
             }),
         ))
+    }
+
+    /// Host bytes "auto" may give this sleep's backups, `ring` bytes set aside for a staging ring still to pin:
+    /// the budget's room beside the arenas in use and, with a spill directory, what the host RAM guard lets us
+    /// pin (the cached arena's pinned cells are had already), so that "auto" parks more than host RAM instead of
+    /// being refused.
+    fn host_room(&self, ring: usize) -> usize {
+        let guard = (self.spill.is_some())
+            .then(|| self.room.available())
+            .flatten()
+            .map(|a| {
+                a.saturating_add(self.host.cached_pinned_bytes())
+                    .saturating_sub(ring)
+            });
+        [self.budget_room(), guard]
+            .into_iter()
+            .flatten()
+            .min()
+            .unwrap_or(usize::MAX)
+    }
+
+    /// `wanted` split into host-tier allocations and (addr, device, size) of file-tier ones, "auto" ones taking
+    /// host memory in order while `room` lasts.
+    fn split_tiers(
+        &self,
+        wanted: &[(DevPtr, i32, usize, BackupTier)],
+        room: usize,
+    ) -> (Vec<DevPtr>, Vec<(DevPtr, i32, usize)>) {
+        // Host-tier allocations take their room first: they have no other place.
+        let forced: usize = (wanted.iter())
+            .filter(|w| {
+                w.3 == BackupTier::Host || (w.3 == BackupTier::Auto && self.spill.is_none())
+            })
+            .map(|w| w.2)
+            .sum();
+        let mut room = room.saturating_sub(forced);
+        let (mut host, mut to_file) = (Vec::new(), Vec::new());
+        for &(addr, device, size, tier) in wanted {
+            let file = match tier {
+                BackupTier::Host => false,
+                BackupTier::File => true,
+                BackupTier::Auto if self.spill.is_none() => false,
+                BackupTier::Auto if size <= room => {
+                    room -= size;
+                    false
+                }
+                BackupTier::Auto => true,
+            };
+            if file {
+                to_file.push((addr, device, size));
+            } else {
+                host.push(addr);
+            }
+        }
+        (host, to_file)
     }
 
     /// Sleep, once the prints are compared: the rewrites of retained file backups (retain.rs), with the staging
