@@ -71,6 +71,37 @@ def test_a_sleep_past_the_budget_without_a_spill_dir_is_refused_and_keeps_every_
     a.free(addr)
 
 
+def test_under_a_budget_a_sleep_goes_into_a_hole_a_partial_wake_left_when_one_takes_it(a):
+    """Without retained backups a partial wake leaves holes in the arena the others' backups still use, and under
+    a budget no second arena fits beside it: a sleep goes into the smallest hole that takes all its backups, and
+    is refused with nothing released when no single hole does. Every byte comes back."""
+    g = a.granularity(0)
+    a.set_retain_backups(False)
+    tensors = {}
+    try:
+        for tag, n in (("h0", 1), ("h1", 1), ("h2", 2)):
+            tensors[tag] = tensor(a, tag, n)
+        a.set_host_budget(4 * g)
+        a.pause(list(tensors))  # one arena of 4 granules, in address order
+        outer = sorted(tensors, key=lambda t: tensors[t][0])[::2]
+        a.wake_up(outer)  # two holes, apart: the middle allocation's backup lies between them
+        with pytest.raises(cumem_rs.CumemOutOfMemoryError, match="host budget"):
+            a.pause(outer)  # their backups, back to back, fit in neither hole
+        assert all(not r["asleep"] for r in a.allocations() if r["tag"] in outer)
+        for tag in outer:
+            a.pause(tag)
+            assert a.host_bytes() <= 4 * g
+        assert a.stats()["host_tier_bytes"] == 4 * g
+        a.wake_up(list(tensors))
+        for addr, data in tensors.values():
+            assert a.read(addr, len(data)) == data
+    finally:
+        a.set_retain_backups(True)
+        a.wake_up(None)
+        for addr, _ in tensors.values():
+            a.free(addr)
+
+
 def test_host_budget_bad_input_names_the_argument(a):
     with pytest.raises((ValueError, TypeError), match="nbytes"):
         a.set_host_budget(-1)

@@ -140,7 +140,6 @@ def test_failed_sleep_leaked_disk_blocks_grow_with_each_retry(a, tmp_path):
 
 
 @pytest.mark.parametrize("spill", [False, True], ids=["no_spill_dir", "spill_dir"])
-@pytest.mark.xfail(strict=True, reason="open: compaction needs a second arena beside the first, past the budget")
 def test_holes_left_by_a_partial_wake_count_against_the_host_budget(a, tmp_path, spill):
     """Without retained backups, a partial wake leaves holes in the arena the others still use; under a budget
     compaction is refused (the new arena would sit beside the old one), so the holes keep counting against the

@@ -556,7 +556,7 @@ impl BackupStore {
     /// Host bytes "auto" may give this sleep's backups, `ring` bytes set aside for a staging ring still to pin:
     /// the budget's room beside the arenas in use and, with a spill directory, what the host RAM guard lets us
     /// pin (the cached arena's pinned cells are had already), so that "auto" parks more than host RAM instead of
-    /// being refused.
+    /// being refused; or, under a budget, the largest hole of an arena in use (bound.rs), if that is more.
     fn host_room(&self, ring: usize) -> usize {
         let guard = (self.spill.is_some())
             .then(|| self.room.available())
@@ -565,11 +565,17 @@ impl BackupStore {
                 a.saturating_add(self.host.cached_pinned_bytes())
                     .saturating_sub(ring)
             });
-        [self.budget_room(), guard]
+        let fresh = [self.budget_room(), guard]
             .into_iter()
             .flatten()
             .min()
-            .unwrap_or(usize::MAX)
+            .unwrap_or(usize::MAX);
+        let hole = if self.budget.is_some() {
+            self.largest_hole()
+        } else {
+            0
+        };
+        fresh.max(hole)
     }
 
     /// `wanted` split into host-tier allocations and (addr, device, size) of file-tier ones, "auto" ones taking

@@ -29,6 +29,7 @@ use crate::host::{HostBuffer, HostPool};
 
 use crate::host::staging::StagingRing;
 pub use crate::host::staging::DEFAULT_STAGING_BYTES;
+pub use bound::SleepArena;
 pub use budget::BUDGET_ENV;
 pub use file_tier::{BackupTier, FileJob, FileRewrite, FileRewrites, FileSleep};
 use pin_ahead::HostRoom;
