@@ -495,8 +495,8 @@ impl BackupStore {
 
     /// Sleep, before anything is released: split `wanted` ((addr, device, size, tier) of the allocations to back
     /// up now, in the sleep's order) into those backed up in host memory (returned) and a planned file sleep for
-    /// the rest: space checked, file created, ring pinned. Refused, changing nothing, when a tag asks for files
-    /// and no spill directory is set, or the directory has too little space.
+    /// the rest: space checked, file created and its blocks allocated, ring pinned. Refused, changing nothing,
+    /// when a tag asks for files and no spill directory is set, or the directory has too little space.
     pub fn plan_tiers(
         &mut self,
         wanted: &[(DevPtr, i32, usize, BackupTier)],
@@ -541,6 +541,7 @@ impl BackupStore {
             .collect();
         dir.check_space(offset)?;
         let file = Arc::new(dir.create()?);
+        file.reserve(offset)?;
         let ring = self.ring(log)?;
         Ok((
             host,

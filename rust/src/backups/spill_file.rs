@@ -154,6 +154,26 @@ impl SpillFile {
         let _ = rustix::fs::fallocate(&self.fd, flags, offset, len);
     }
 
+    /// Allocate the disk blocks of the first `len` bytes now (`fallocate`), before a sleep releases anything: the
+    /// space `check_space` saw cannot be taken by another writer meanwhile, and the blocks of one sleep lie in few
+    /// extents (no extent blocks beside the data). OutOfMemory on ENOSPC; where the file system cannot
+    /// preallocate, the blocks are allocated as the writes come (the statvfs check stands).
+    pub fn reserve(&self, len: u64) -> Result<()> {
+        if len == 0 {
+            return Ok(());
+        }
+        match rustix::fs::fallocate(&self.fd, rustix::fs::FallocateFlags::empty(), 0, len) {
+            Err(Errno::NOSPC) => Err(Error::OutOfMemory {
+                what: format!(
+                    "sleep (refused before anything was released: every allocation stays awake) needs {len} \
+                     bytes in the spill directory {}, which could not be allocated there (ENOSPC)",
+                    self.dir.display()
+                ),
+            }),
+            _ => Ok(()),
+        }
+    }
+
     /// Bytes of disk the file takes now (blocks allocated), for tests of the space given back.
     #[cfg(test)]
     pub fn disk_bytes(&self) -> u64 {
@@ -441,6 +461,29 @@ mod tests {
         assert!(
             f.disk_bytes() <= full - (8 * IO_ALIGN) as u64,
             "{} of {full}",
+            f.disk_bytes()
+        );
+        std::fs::remove_dir_all(&p).unwrap();
+    }
+
+    #[test]
+    fn a_reserved_file_holds_its_blocks_before_any_write() {
+        let p = temp_dir("reserve");
+        let f = SpillDir::open(&p).unwrap().create().unwrap();
+        f.reserve(0).unwrap();
+        assert_eq!(f.disk_bytes(), 0);
+        f.reserve((64 * IO_ALIGN) as u64).unwrap();
+        assert!(
+            f.disk_bytes() >= (64 * IO_ALIGN) as u64,
+            "{}",
+            f.disk_bytes()
+        );
+        let page = Box::new(Blocks([5; 2 * IO_ALIGN]));
+        f.write_all_at(&PosixIo, &page.0, 0).unwrap();
+        f.punch(0, 64 * IO_ALIGN);
+        assert!(
+            f.disk_bytes() < (64 * IO_ALIGN) as u64,
+            "punched: {}",
             f.disk_bytes()
         );
         std::fs::remove_dir_all(&p).unwrap();
