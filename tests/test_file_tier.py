@@ -192,6 +192,37 @@ def test_a_failed_read_fails_the_wake_and_a_later_wake_succeeds(spilling, error)
         a.free(addr)
 
 
+def test_the_disk_blocks_of_a_woken_or_freed_file_backup_go_back_at_the_end_of_the_call(a, tmp_path):
+    """Backups of one sleep share a file; a wake (without retention) or a free of some of them gives their disk
+    blocks back when it returns (punched, merged), while the others keep theirs and their bytes."""
+    from test_file_tier_defects import spill_disk_bytes
+
+    g = a.granularity(0)
+    a.set_retain_backups(False)
+    tensors = {}
+    try:
+        a.set_spill_dir(tmp_path)
+        a.set_host_budget(0)
+        for tag, n in (("d0", 1), ("d1", 2), ("d2", 1)):
+            tensors[tag] = tensor(a, tag, n)
+        a.pause(list(tensors))
+        assert a.stats()["file_tier_bytes"] == 4 * g
+        assert 4 * g <= spill_disk_bytes(tmp_path) <= 4 * g + (64 << 10)
+        a.resume("d1")
+        assert spill_disk_bytes(tmp_path) <= 2 * g + (64 << 10), "d1's blocks went back"
+        a.free(tensors.pop("d0")[0])
+        assert spill_disk_bytes(tmp_path) <= g + (64 << 10), "d0's blocks went back"
+        a.resume(list(tensors))
+        assert spill_disk_bytes(tmp_path) == 0, "the last backup went: the file closed"
+        for addr, data in tensors.values():
+            assert a.read(addr, len(data)) == data
+    finally:
+        a.set_retain_backups(True)
+        a.wake_up(None)
+        for addr, _ in tensors.values():
+            a.free(addr)
+
+
 def test_spill_dir_bad_input_names_the_path(a, tmp_path):
     missing = tmp_path / "missing"
     with pytest.raises(ValueError, match="missing"):

@@ -228,9 +228,10 @@ impl FileSleep {
             done(job, Backup::in_file(&self.file, job.offset, job.size))
         });
         // No backup (`FileRegion`) holds the blocks of a job not handed over, and no write is in flight any more:
-        // punched now, or they would stay on disk as long as a backup that did go to sleep keeps the file open.
+        // released (punched at the end of the sleep), or they would stay on disk as long as a backup that did go
+        // to sleep keeps the file open.
         for (job, _) in self.jobs.iter().zip(&handed).filter(|(_, h)| !**h) {
-            self.file.punch(job.offset, io_len(job.size));
+            self.file.release(job.offset, job.size);
         }
         written
     }
@@ -453,6 +454,18 @@ impl BackupStore {
         self.file_bytes
     }
 
+    /// Punch the ranges of spill files that no backup holds any more (see `SpillFile::release`); forget the files
+    /// that closed.
+    pub(super) fn punch_released(&mut self) {
+        self.files.retain(|f| match f.upgrade() {
+            Some(file) => {
+                file.punch_released();
+                true
+            }
+            None => false,
+        });
+    }
+
     /// Test hook: the `nth` next spill-file write (`write`) or read fails with `kind`.
     pub fn inject_spill_fault(&self, write: bool, nth: u64, kind: FaultKind) -> Result<()> {
         self.io.inject(write, nth, kind)
@@ -542,6 +555,7 @@ impl BackupStore {
         dir.check_space(offset)?;
         let file = Arc::new(dir.create()?);
         file.reserve(offset)?;
+        self.files.push(Arc::downgrade(&file));
         let ring = self.ring(log)?;
         Ok((
             host,

@@ -36,6 +36,8 @@ pub struct SpillDir {
 pub struct SpillFile {
     fd: OwnedFd,
     dir: PathBuf,
+    /// Byte ranges no backup holds any more, whose blocks `punch_released` gives back.
+    released: Mutex<Vec<(u64, u64)>>,
 }
 
 impl SpillDir {
@@ -125,6 +127,7 @@ impl SpillDir {
         SpillFile {
             fd,
             dir: self.path.clone(),
+            released: Mutex::new(Vec::new()),
         }
     }
 
@@ -152,6 +155,37 @@ impl SpillFile {
         let flags = rustix::fs::FallocateFlags::PUNCH_HOLE | rustix::fs::FallocateFlags::KEEP_SIZE;
         let len = len.next_multiple_of(IO_ALIGN) as u64;
         let _ = rustix::fs::fallocate(&self.fd, flags, offset, len);
+    }
+
+    /// [offset, offset+len) is no longer needed: its blocks go back at the next `punch_released`. Deferred so that
+    /// the ranges one call releases (a wake drops every backup it restored, one by one) are punched as a few
+    /// merged runs, or not at all when the file closes first (the last backup in it went): one punch per backup
+    /// was measured at about 1 ms each with O_DIRECT on ext4, hundreds of ms per wake of a model's tensors.
+    pub fn release(&self, offset: u64, len: usize) {
+        let end = offset + len.next_multiple_of(IO_ALIGN) as u64;
+        let mut released = self.released.lock().unwrap_or_else(|p| p.into_inner());
+        released.push((offset, end));
+    }
+
+    /// Punch the released ranges, merged where they meet.
+    pub fn punch_released(&self) {
+        let mut ranges =
+            std::mem::take(&mut *self.released.lock().unwrap_or_else(|p| p.into_inner()));
+        ranges.sort_unstable();
+        let mut run: Option<(u64, u64)> = None;
+        for (start, end) in ranges {
+            match &mut run {
+                Some(r) if start <= r.1 => r.1 = r.1.max(end),
+                _ => {
+                    if let Some((s, e)) = run.replace((start, end)) {
+                        self.punch(s, (e - s) as usize);
+                    }
+                }
+            }
+        }
+        if let Some((s, e)) = run {
+            self.punch(s, (e - s) as usize);
+        }
     }
 
     /// Allocate the disk blocks of the first `len` bytes now (`fallocate`), before a sleep releases anything: the
@@ -462,6 +496,40 @@ mod tests {
             f.disk_bytes() <= full - (8 * IO_ALIGN) as u64,
             "{} of {full}",
             f.disk_bytes()
+        );
+        std::fs::remove_dir_all(&p).unwrap();
+    }
+
+    #[test]
+    fn released_ranges_keep_their_blocks_until_punched_as_merged_runs() {
+        let p = temp_dir("release");
+        let f = SpillDir::open(&p).unwrap().create().unwrap();
+        let page = Box::new(Blocks([9; 2 * IO_ALIGN]));
+        for i in 0..4 {
+            f.write_all_at(&PosixIo, &page.0, (i * 2 * IO_ALIGN) as u64)
+                .unwrap();
+        }
+        let full = f.disk_bytes();
+        // Out of order, one of them not a whole block: [0, 3 blocks) and [3, 5 blocks) meet.
+        f.release(3 * IO_ALIGN as u64, 2 * IO_ALIGN);
+        f.release(0, 3 * IO_ALIGN - 100);
+        assert_eq!(
+            f.disk_bytes(),
+            full,
+            "nothing punched before punch_released"
+        );
+        f.punch_released();
+        assert!(
+            f.disk_bytes() <= full - (5 * IO_ALIGN) as u64,
+            "{} of {full}",
+            f.disk_bytes()
+        );
+        let mut out = Box::new(Blocks([0; 2 * IO_ALIGN]));
+        f.read_exact_at(&PosixIo, &mut out.0, 6 * IO_ALIGN as u64)
+            .unwrap();
+        assert!(
+            out.0.iter().all(|b| *b == 9),
+            "the blocks not released hold their bytes"
         );
         std::fs::remove_dir_all(&p).unwrap();
     }
