@@ -1,8 +1,9 @@
 //! The host budget: a cap on the pinned host memory the store holds for backups (`held()`: arenas backups point
 //! into plus the cached one), set with `set_host_budget` or `CUMEM_RS_HOST_BUDGET`. Unlike the host guard
 //! (pin_ahead.rs), which refuses to pin more than the host can still give, the budget bounds what is held at
-//! any time, so several processes on one node can each be given a share. What passes it goes to the file tier
-//! where a spill directory is set (file_tier.rs); without one, the sleep is refused before anything is released.
+//! any time, so several processes on one node can each be given a share. What passes it goes into a hole of an
+//! arena in use when one takes it (bound.rs), else to the file tier where a spill directory is set
+//! (file_tier.rs); without one, the sleep is refused before anything is released.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
