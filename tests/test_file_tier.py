@@ -400,6 +400,19 @@ class _StatusAs:
         return getattr(self._a, name)
 
 
+def _spill_files(directory: str) -> tuple[int, int]:
+    """(count, disk bytes) of this process's open spill files in `directory`."""
+    count = total = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            if os.readlink(f"/proc/self/fd/{fd}").startswith(directory + "/"):
+                count += 1
+                total += os.stat(f"/proc/self/fd/{fd}").st_blocks * 512
+        except OSError:
+            continue
+    return count, total
+
+
 class Spilling:
     """Mixin for the allocator's state machines: a host budget of two granules and a spill directory, so that most
     backups go to files (and some to host memory) and every sleep, wake, pause, resume, free and discard runs
@@ -421,6 +434,17 @@ class Spilling:
     @invariant()
     def spill_files_are_never_visible(self):
         assert os.listdir(self.spill) == []
+
+    @invariant()
+    def spill_disk_blocks_are_those_of_backups(self):
+        """The spill files hold disk only for backups still referenced (asleep in files, or retained, which may
+        be in files), each rounded to whole blocks, plus a little file system metadata per file: a backup woken,
+        freed or dropped, and what a failed sleep wrote for allocations that stayed awake, gave its blocks back."""
+        files, disk = _spill_files(self.spill)
+        referenced = self.a.stats()["file_tier_bytes"]
+        referenced += sum(t["retained_bytes"] for t in self.a.status()["tags"].values())
+        slack = 4096 * len(self.a.allocations()) + (64 << 10) * files
+        assert disk <= referenced + slack, (disk, referenced, files)
 
     @invariant()
     def status_matches_model(self):

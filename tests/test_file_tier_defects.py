@@ -1,7 +1,8 @@
 """Defects found by a review of the host budget and the file tier (simulated driver), each named after what went
-wrong. Those fixed are plain tests; those still open are `xfail(strict=True)` with the reason, so that a fix makes
-them pass loudly (a strict xfail that passes fails the run) and their marker is removed with it. None of them
-loses or corrupts data: they are about the budget, disk blocks and the choice of tier (issue 24, still open)."""
+wrong. Those fixed are plain tests; one still open would be `xfail(strict=True)` with the reason, so that a fix
+makes it pass loudly (a strict xfail that passes fails the run) and its marker is removed with it. All of them are
+fixed now. None of them lost or corrupted data: they were about the budget, disk blocks and the choice of tier
+(issue 24)."""
 
 from __future__ import annotations
 
