@@ -71,14 +71,18 @@ def test_a_sleep_past_the_budget_without_a_spill_dir_is_refused_and_keeps_every_
     a.free(addr)
 
 
-def test_under_a_budget_a_sleep_goes_into_a_hole_a_partial_wake_left_when_one_takes_it(a):
+@pytest.mark.parametrize("cells", [1, 4], ids=["arena_pinned_whole", "pinned_in_quarter_granule_cells"])
+def test_under_a_budget_a_sleep_goes_into_a_hole_a_partial_wake_left_when_one_takes_it(a, cells):
     """Without retained backups a partial wake leaves holes in the arena the others' backups still use, and under
     a budget no second arena fits beside it: a sleep goes into the smallest hole that takes all its backups, and
-    is refused with nothing released when no single hole does. Every byte comes back."""
+    is refused with nothing released when no single hole does. Every byte comes back, also where the arena was
+    pinned cell by cell (the copies into the hole then cross cells)."""
     g = a.granularity(0)
     a.set_retain_backups(False)
     tensors = {}
     try:
+        if cells > 1:
+            a.set_pin_chunk(g // cells)
         for tag, n in (("h0", 1), ("h1", 1), ("h2", 2)):
             tensors[tag] = tensor(a, tag, n)
         a.set_host_budget(4 * g)
@@ -97,6 +101,7 @@ def test_under_a_budget_a_sleep_goes_into_a_hole_a_partial_wake_left_when_one_ta
             assert a.read(addr, len(data)) == data
     finally:
         a.set_retain_backups(True)
+        a.set_pin_chunk(512 << 20)  # the default
         a.wake_up(None)
         for addr, _ in tensors.values():
             a.free(addr)
