@@ -71,6 +71,42 @@ def test_a_sleep_past_the_budget_without_a_spill_dir_is_refused_and_keeps_every_
     a.free(addr)
 
 
+@pytest.mark.parametrize("cells", [1, 4], ids=["arena_pinned_whole", "pinned_in_quarter_granule_cells"])
+def test_under_a_budget_a_sleep_goes_into_a_hole_a_partial_wake_left_when_one_takes_it(a, cells):
+    """Without retained backups a partial wake leaves holes in the arena the others' backups still use, and under
+    a budget no second arena fits beside it: a sleep goes into the smallest hole that takes all its backups, and
+    is refused with nothing released when no single hole does. Every byte comes back, also where the arena was
+    pinned cell by cell (the copies into the hole then cross cells)."""
+    g = a.granularity(0)
+    a.set_retain_backups(False)
+    tensors = {}
+    try:
+        if cells > 1:
+            a.set_pin_chunk(g // cells)
+        for tag, n in (("h0", 1), ("h1", 1), ("h2", 2)):
+            tensors[tag] = tensor(a, tag, n)
+        a.set_host_budget(4 * g)
+        a.pause(list(tensors))  # one arena of 4 granules, in address order
+        outer = sorted(tensors, key=lambda t: tensors[t][0])[::2]
+        a.wake_up(outer)  # two holes, apart: the middle allocation's backup lies between them
+        with pytest.raises(cumem_rs.CumemOutOfMemoryError, match="host budget"):
+            a.pause(outer)  # their backups, back to back, fit in neither hole
+        assert all(not r["asleep"] for r in a.allocations() if r["tag"] in outer)
+        for tag in outer:
+            a.pause(tag)
+            assert a.host_bytes() <= 4 * g
+        assert a.stats()["host_tier_bytes"] == 4 * g
+        a.wake_up(list(tensors))
+        for addr, data in tensors.values():
+            assert a.read(addr, len(data)) == data
+    finally:
+        a.set_retain_backups(True)
+        a.set_pin_chunk(512 << 20)  # the default
+        a.wake_up(None)
+        for addr, _ in tensors.values():
+            a.free(addr)
+
+
 def test_host_budget_bad_input_names_the_argument(a):
     with pytest.raises((ValueError, TypeError), match="nbytes"):
         a.set_host_budget(-1)
@@ -159,6 +195,37 @@ def test_a_failed_read_fails_the_wake_and_a_later_wake_succeeds(spilling, error)
     for addr, data in tensors:
         assert a.read(addr, len(data)) == data
         a.free(addr)
+
+
+def test_the_disk_blocks_of_a_woken_or_freed_file_backup_go_back_at_the_end_of_the_call(a, tmp_path):
+    """Backups of one sleep share a file; a wake (without retention) or a free of some of them gives their disk
+    blocks back when it returns (punched, merged), while the others keep theirs and their bytes."""
+    from test_file_tier_defects import spill_disk_bytes
+
+    g = a.granularity(0)
+    a.set_retain_backups(False)
+    tensors = {}
+    try:
+        a.set_spill_dir(tmp_path)
+        a.set_host_budget(0)
+        for tag, n in (("d0", 1), ("d1", 2), ("d2", 1)):
+            tensors[tag] = tensor(a, tag, n)
+        a.pause(list(tensors))
+        assert a.stats()["file_tier_bytes"] == 4 * g
+        assert 4 * g <= spill_disk_bytes(tmp_path) <= 4 * g + (64 << 10)
+        a.resume("d1")
+        assert spill_disk_bytes(tmp_path) <= 2 * g + (64 << 10), "d1's blocks went back"
+        a.free(tensors.pop("d0")[0])
+        assert spill_disk_bytes(tmp_path) <= g + (64 << 10), "d0's blocks went back"
+        a.resume(list(tensors))
+        assert spill_disk_bytes(tmp_path) == 0, "the last backup went: the file closed"
+        for addr, data in tensors.values():
+            assert a.read(addr, len(data)) == data
+    finally:
+        a.set_retain_backups(True)
+        a.wake_up(None)
+        for addr, _ in tensors.values():
+            a.free(addr)
 
 
 def test_spill_dir_bad_input_names_the_path(a, tmp_path):
@@ -338,6 +405,19 @@ class _StatusAs:
         return getattr(self._a, name)
 
 
+def _spill_files(directory: str) -> tuple[int, int]:
+    """(count, disk bytes) of this process's open spill files in `directory`."""
+    count = total = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            if os.readlink(f"/proc/self/fd/{fd}").startswith(directory + "/"):
+                count += 1
+                total += os.stat(f"/proc/self/fd/{fd}").st_blocks * 512
+        except OSError:
+            continue
+    return count, total
+
+
 class Spilling:
     """Mixin for the allocator's state machines: a host budget of two granules and a spill directory, so that most
     backups go to files (and some to host memory) and every sleep, wake, pause, resume, free and discard runs
@@ -359,6 +439,17 @@ class Spilling:
     @invariant()
     def spill_files_are_never_visible(self):
         assert os.listdir(self.spill) == []
+
+    @invariant()
+    def spill_disk_blocks_are_those_of_backups(self):
+        """The spill files hold disk only for backups still referenced (asleep in files, or retained, which may
+        be in files), each rounded to whole blocks, plus a little file system metadata per file: a backup woken,
+        freed or dropped, and what a failed sleep wrote for allocations that stayed awake, gave its blocks back."""
+        files, disk = _spill_files(self.spill)
+        referenced = self.a.stats()["file_tier_bytes"]
+        referenced += sum(t["retained_bytes"] for t in self.a.status()["tags"].values())
+        slack = 4096 * len(self.a.allocations()) + (64 << 10) * files
+        assert disk <= referenced + slack, (disk, referenced, files)
 
     @invariant()
     def status_matches_model(self):

@@ -1,7 +1,8 @@
 """Defects found by a review of the host budget and the file tier (simulated driver), each named after what went
-wrong. Those fixed are plain tests; those still open are `xfail(strict=True)` with the reason, so that a fix makes
-them pass loudly (a strict xfail that passes fails the run) and their marker is removed with it. None of them
-loses or corrupts data: they are about the budget, disk blocks and the choice of tier (issue 24, still open)."""
+wrong. Those fixed are plain tests; one still open would be `xfail(strict=True)` with the reason, so that a fix
+makes it pass loudly (a strict xfail that passes fails the run) and its marker is removed with it. All of them are
+fixed now. None of them lost or corrupted data: they were about the budget, disk blocks and the choice of tier
+(issue 24)."""
 
 from __future__ import annotations
 
@@ -43,7 +44,6 @@ def _retained(a: Allocator, tag: str, granules: int) -> tuple[int, bytes]:
     return addr, data
 
 
-@pytest.mark.xfail(strict=True, reason="open: a retained host backup is reused past a lowered budget")
 def test_retained_backups_escape_a_lowered_host_budget_without_spill_dir(a):
     """A retained host backup made before the budget was set is reused by the next sleep: that sleep is not
     refused though its backups are past the budget, and host_bytes() stays above the budget for good."""
@@ -63,7 +63,6 @@ def test_retained_backups_escape_a_lowered_host_budget_without_spill_dir(a):
     assert a.read(addr, len(data)) == data
 
 
-@pytest.mark.xfail(strict=True, reason="open: a retained host backup is reused past a lowered budget")
 def test_retained_backups_stay_on_the_host_past_a_lowered_budget_with_a_spill_dir(a, tmp_path):
     """With a spill directory, what passes the budget should go to files; a retained host backup stays on the
     host instead (host_tier_bytes past a budget of 0)."""
@@ -78,7 +77,6 @@ def test_retained_backups_stay_on_the_host_past_a_lowered_budget_with_a_spill_di
     assert a.read(addr, len(data)) == data
 
 
-@pytest.mark.xfail(strict=True, reason="open: a retained host backup overrides backup_tier='file'")
 def test_retained_host_backup_ignores_backup_tier_file(a, tmp_path):
     """backup_tier="file" is "always the spill directory"; an allocation with a retained host backup sleeps into
     host memory instead."""
@@ -111,7 +109,6 @@ def _failed_sleep_half_written(a: Allocator, tmp_path):
     return xs
 
 
-@pytest.mark.xfail(strict=True, reason="open: blocks written for allocations a failed sleep left awake are not punched")
 def test_failed_sleep_leaves_disk_blocks_of_awake_allocations_in_the_spill_file(a, tmp_path):
     """After a failed file-tier sleep, the blocks already written for allocations that stayed awake are not
     given back (no punched hole): the spill file holds more disk than the backups in it, until the asleep
@@ -123,7 +120,6 @@ def test_failed_sleep_leaves_disk_blocks_of_awake_allocations_in_the_spill_file(
     )
 
 
-@pytest.mark.xfail(strict=True, reason="open: blocks written for allocations a failed sleep left awake are not punched")
 def test_failed_sleep_leaked_disk_blocks_grow_with_each_retry(a, tmp_path):
     """The leak compounds: a retried sleep that fails the same way leaves a second file with more dead blocks
     while the first is still held by the backup that did go to sleep."""
@@ -145,7 +141,6 @@ def test_failed_sleep_leaked_disk_blocks_grow_with_each_retry(a, tmp_path):
 
 
 @pytest.mark.parametrize("spill", [False, True], ids=["no_spill_dir", "spill_dir"])
-@pytest.mark.xfail(strict=True, reason="open: compaction needs a second arena beside the first, past the budget")
 def test_holes_left_by_a_partial_wake_count_against_the_host_budget(a, tmp_path, spill):
     """Without retained backups, a partial wake leaves holes in the arena the others still use; under a budget
     compaction is refused (the new arena would sit beside the old one), so the holes keep counting against the
@@ -223,7 +218,6 @@ def test_backup_bytes_of_counts_file_tier_backups_as_host_memory(a, tmp_path):
 
 
 
-@pytest.mark.xfail(strict=True, reason="open: auto sets the staging ring's room aside before it knows files are needed")
 def test_auto_reserves_the_staging_ring_out_of_host_room_even_when_everything_fits(tmp_path):
     """"auto": host memory while the host RAM guard has room, files for the rest. With 300 MiB the host can pin
     and a 100 MiB sleep, everything fits in host memory; but the plan takes the (default 256 MiB) staging ring
@@ -246,7 +240,6 @@ def test_auto_reserves_the_staging_ring_out_of_host_room_even_when_everything_fi
         a.close()
 
 
-@pytest.mark.xfail(strict=False, reason="open: auto plans against the host guard as if the pinned-ahead cells were gone (how much spills depends on the worker's progress)")
 def test_a_sleep_during_pinning_ahead_spills_what_the_pinned_buffer_was_for(tmp_path):
     """With a spill directory "auto" fills host memory as far as the host RAM guard allows. A sleep that comes
     while the pin-ahead worker is still pinning (the buffer reserved for exactly this sleep) counts the worker's

@@ -9,6 +9,12 @@
 //! passed, the cached arena is returned first; if that is not enough, the backups still referenced from arenas
 //! with holes are moved (a host memcpy, with no device copy in flight) into one arena of exactly their size, and
 //! the old arenas are given back. A moved retained backup keeps its fingerprints: same bytes.
+//!
+//! Under a host budget that move is refused (the new arena would sit beside the old ones, past the budget), so
+//! holes are reused instead: a sleep whose host backups do not fit the budget beside the arenas in use (or not
+//! the host RAM guard) puts them all into one hole of an arena in use, wholly pinned, that takes them (the
+//! smallest such), rather than refusing them or sending them to files. The usual case is exactly the one that
+//! makes holes: a partial wake of some tags, then a sleep of the same tags again.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -19,7 +25,96 @@ use crate::error::Result;
 use crate::error_log::ErrorLog;
 use crate::host::HostBuffer;
 
+/// The host arena a sleep copies its host backups into (`BackupStore::sleep_arena`).
+pub enum SleepArena {
+    /// A new or cached buffer (`BackupStore::arena_for_sleep`), for the sleep to adopt.
+    Own(HostBuffer),
+    /// The bytes from `offset` of an arena in use that no backup uses (a hole that wakes left), wholly pinned:
+    /// the sleep's backups are laid out from there.
+    Hole {
+        arena: Arc<HostBuffer>,
+        offset: usize,
+    },
+}
+
+impl SleepArena {
+    /// Bytes of the first `len` that are still to pin (a hole: none).
+    pub fn unpinned_below(&self, len: usize) -> usize {
+        match self {
+            SleepArena::Own(buf) => buf.unpinned_below(len),
+            SleepArena::Hole { .. } => 0,
+        }
+    }
+}
+
 impl BackupStore {
+    /// The arena a sleep backs `total` bytes up into: `arena_for_sleep`'s, or, when that is refused under a host
+    /// budget, the smallest hole of an arena in use that takes all `total` bytes (see the module comment).
+    /// Refused, changing nothing, when there is neither.
+    pub fn sleep_arena(&mut self, total: usize, log: &mut ErrorLog) -> Result<SleepArena> {
+        match self.arena_for_sleep(total, log) {
+            Ok(buf) => Ok(SleepArena::Own(buf)),
+            Err(e) => match self.budget.and_then(|_| self.find_hole(total)) {
+                Some((arena, offset)) => {
+                    log::debug!(
+                        "backup store: {total} bytes of host backups go into a hole at {offset} of an arena of \
+                         {} bytes (the host budget allows no new arena)",
+                        arena.len()
+                    );
+                    Ok(SleepArena::Hole { arena, offset })
+                }
+                None => Err(e),
+            },
+        }
+    }
+
+    /// The longest run of unused, pinned bytes in one arena in use (0 without any).
+    pub(super) fn largest_hole(&self) -> usize {
+        self.holes().map(|(_, _, len)| len).max().unwrap_or(0)
+    }
+
+    /// The smallest hole of at least `len` bytes, as (arena, offset).
+    fn find_hole(&self, len: usize) -> Option<(Arc<HostBuffer>, usize)> {
+        (self.holes())
+            .filter(|h| h.2 >= len)
+            .min_by_key(|h| h.2)
+            .map(|(arena, offset, _)| (arena.clone(), offset))
+    }
+
+    /// Every maximal run of bytes of an arena in use that no backup (asleep or retained) lies in and that is
+    /// pinned whole, as (arena, offset, length). Copies into an arena are waited for before the call that queued
+    /// them returns, so no copy is in flight into a hole.
+    fn holes(&self) -> impl Iterator<Item = (&Arc<HostBuffer>, usize, usize)> {
+        let mut used: HashMap<usize, Vec<(usize, usize)>> = HashMap::new();
+        let backups = (self.asleep.values()).chain(self.retention.backups().map(|(_, b)| b));
+        for b in backups {
+            if let Some((arena, offset)) = b.arena() {
+                let ranges = used.entry(Arc::as_ptr(arena) as usize).or_default();
+                ranges.push((offset, b.len));
+            }
+        }
+        self.arenas.iter().flat_map(move |arena| {
+            let mut ranges = used
+                .remove(&(Arc::as_ptr(arena) as usize))
+                .unwrap_or_default();
+            ranges.sort_unstable();
+            ranges.push((arena.len(), 0)); // the tail
+            let mut gaps = Vec::new();
+            let mut at = 0;
+            for (offset, len) in ranges {
+                if offset > at {
+                    gaps.push((arena, at, offset - at));
+                }
+                at = at.max(offset + len);
+            }
+            // Pinned whole: nothing unpinned between its start and its end.
+            gaps.retain(|&(arena, offset, len)| {
+                arena.unpinned_below(offset + len) == arena.unpinned_below(offset)
+            });
+            gaps
+        })
+    }
+
     /// Bring the host memory held back within its bound (see the module comment). Failures are recorded: the
     /// backups stay where they are, correct, and the next call tries again.
     pub(super) fn bound(&mut self, log: &mut ErrorLog) {

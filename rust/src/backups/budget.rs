@@ -1,12 +1,18 @@
 //! The host budget: a cap on the pinned host memory the store holds for backups (`held()`: arenas backups point
 //! into plus the cached one), set with `set_host_budget` or `CUMEM_RS_HOST_BUDGET`. Unlike the host guard
 //! (pin_ahead.rs), which refuses to pin more than the host can still give, the budget bounds what is held at
-//! any time, so several processes on one node can each be given a share. What passes it goes to the file tier
-//! where a spill directory is set (file_tier.rs); without one, the sleep is refused before anything is released.
+//! any time, so several processes on one node can each be given a share. What passes it goes into a hole of an
+//! arena in use when one takes it (bound.rs), else to the file tier where a spill directory is set
+//! (file_tier.rs); without one, the sleep is refused before anything is released.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
 
 use super::BackupStore;
+use crate::driver::DevPtr;
 use crate::error::{Error, Result};
 use crate::error_log::ErrorLog;
+use crate::host::HostBuffer;
 
 /// The environment variable read into the engine's configuration (bytes; `K`, `M`, `G` suffixes).
 pub const BUDGET_ENV: &str = "CUMEM_RS_HOST_BUDGET";
@@ -17,13 +23,51 @@ impl BackupStore {
         self.budget
     }
 
-    /// Set (or with None remove) the host budget. Host memory already held above a new, lower budget stays until
-    /// the backups in it are woken or freed; a pin-ahead worker pinning past it stops, and the cached arena (its
-    /// buffer included) is returned at once.
+    /// Set (or with None remove) the host budget. Host memory already held above a new, lower budget for the
+    /// backups of asleep allocations stays until they are woken or freed; a pin-ahead worker pinning past it
+    /// stops, the cached arena (its buffer included) is returned at once, and so are retained host backups
+    /// while they hold memory past it (`drop_retained_past_budget`).
     pub fn set_host_budget(&mut self, budget: Option<usize>, log: &mut ErrorLog) -> Result<()> {
         self.budget = budget;
-        if budget.is_some_and(|b| self.held() > b) {
-            self.stop_pin_ahead(log);
+        let Some(budget) = budget.filter(|b| self.held() > *b) else {
+            return Ok(());
+        };
+        self.stop_pin_ahead(log);
+        self.host.trim()?;
+        self.drop_retained_past_budget(budget, log)
+    }
+
+    /// While the store holds more than `budget`: drop the retained host backups of arenas that no asleep
+    /// allocation's backup uses, largest arena first, and return each arena. A retained backup is a second copy
+    /// of an awake allocation's data, kept only so that its next sleep copies less, so dropping it loses nothing;
+    /// kept, the next sleep would reuse it and the memory past the budget would be held for good. Those sharing an
+    /// arena with asleep backups stay: dropping them would free no memory.
+    fn drop_retained_past_budget(&mut self, budget: usize, log: &mut ErrorLog) -> Result<()> {
+        let key = |a: &Arc<HostBuffer>| Arc::as_ptr(a) as usize;
+        let asleep_in: HashSet<usize> = (self.asleep.values())
+            .filter_map(|b| b.arena().map(|(a, _)| key(a)))
+            .collect();
+        let mut by_arena: HashMap<usize, (usize, Vec<DevPtr>)> = HashMap::new();
+        for (addr, b) in self.retention.backups() {
+            if let Some((arena, _)) = b.arena().filter(|(a, _)| !asleep_in.contains(&key(a))) {
+                let entry = by_arena
+                    .entry(key(arena))
+                    .or_insert((arena.len(), Vec::new()));
+                entry.1.push(addr);
+            }
+        }
+        let mut order: Vec<(usize, Vec<DevPtr>)> = by_arena.into_values().collect();
+        order.sort_by_key(|(len, _)| std::cmp::Reverse(*len));
+        for (_, addrs) in order {
+            if self.held() <= budget {
+                break;
+            }
+            log::debug!(
+                "backup store: dropping {} retained host backups past the host budget",
+                addrs.len()
+            );
+            self.retention.drop(&addrs);
+            self.give_back_unused(log);
             self.host.trim()?;
         }
         Ok(())

@@ -203,8 +203,9 @@ fn chunks(sizes: impl Iterator<Item = usize>, slot: usize) -> Vec<(usize, usize,
 impl FileSleep {
     /// Copy every job device -> ring -> file. `done` gets each job whose bytes are all written, with its backup
     /// (the caller releases the allocation); after the first failure nothing more is handed to `done`, every copy
-    /// and write in flight is waited for, and the failure is returned. Ok: the bytes written. A writer thread
-    /// that could not start goes to `refused` (its work ran on the others, or on this thread).
+    /// and write in flight is waited for, the blocks already written for the jobs not handed over are given back
+    /// (their allocations stay awake), and the failure is returned. Ok: the bytes written. A writer thread that
+    /// could not start goes to `refused` (its work ran on the others, or on this thread).
     pub fn write_out(
         &self,
         driver: &dyn Driver,
@@ -220,10 +221,19 @@ impl FileSleep {
                 offset: j.offset,
             })
             .collect();
-        write_pieces(driver, &self.ring, &*self.io, &pieces, refused, |j| {
+        let mut handed = vec![false; self.jobs.len()];
+        let written = write_pieces(driver, &self.ring, &*self.io, &pieces, refused, |j| {
+            handed[j] = true;
             let job = &self.jobs[j];
             done(job, Backup::in_file(&self.file, job.offset, job.size))
-        })
+        });
+        // No backup (`FileRegion`) holds the blocks of a job not handed over, and no write is in flight any more:
+        // released (punched at the end of the sleep), or they would stay on disk as long as a backup that did go
+        // to sleep keeps the file open.
+        for (job, _) in self.jobs.iter().zip(&handed).filter(|(_, h)| !**h) {
+            self.file.release(job.offset, job.size);
+        }
+        written
     }
 }
 
@@ -444,6 +454,18 @@ impl BackupStore {
         self.file_bytes
     }
 
+    /// Punch the ranges of spill files that no backup holds any more (see `SpillFile::release`); forget the files
+    /// that closed.
+    pub(super) fn punch_released(&mut self) {
+        self.files.retain(|f| match f.upgrade() {
+            Some(file) => {
+                file.punch_released();
+                true
+            }
+            None => false,
+        });
+    }
+
     /// Test hook: the `nth` next spill-file write (`write`) or read fails with `kind`.
     pub fn inject_spill_fault(&self, write: bool, nth: u64, kind: FaultKind) -> Result<()> {
         self.io.inject(write, nth, kind)
@@ -474,62 +496,38 @@ impl BackupStore {
 
     // ----- sleep -----------------------------------------------------------------------------------------
 
+    /// Whether the retained backup of `addr` lies in the other tier than `tier` asks for: in a file for "host",
+    /// in host memory for "file". The sleep then drops it and makes a fresh backup where the policy says.
+    pub fn retained_in_other_tier(&self, addr: DevPtr, tier: BackupTier) -> bool {
+        match tier {
+            BackupTier::Host => self.is_retained_in_file(addr),
+            BackupTier::File => self.is_retained(addr) && !self.is_retained_in_file(addr),
+            BackupTier::Auto => false,
+        }
+    }
+
     /// Sleep, before anything is released: split `wanted` ((addr, device, size, tier) of the allocations to back
     /// up now, in the sleep's order) into those backed up in host memory (returned) and a planned file sleep for
-    /// the rest: space checked, file created, ring pinned. Refused, changing nothing, when a tag asks for files
-    /// and no spill directory is set, or the directory has too little space.
+    /// the rest: space checked, file created and its blocks allocated, ring pinned. Refused, changing nothing,
+    /// when a tag asks for files and no spill directory is set, or the directory has too little space.
     pub fn plan_tiers(
         &mut self,
         wanted: &[(DevPtr, i32, usize, BackupTier)],
         log: &mut ErrorLog,
     ) -> Result<(Vec<DevPtr>, Option<FileSleep>)> {
-        // Host room: the budget's, and with a spill directory also what the host RAM guard lets us pin (the
-        // cached arena is pinned already; the staging ring, if not yet, is to be), so that "auto" parks more than
-        // host RAM instead of being refused.
-        let ring = match self.ring {
-            Some(_) => 0,
-            None => {
-                let (slot, slots) = StagingRing::shape(self.staging_bytes);
-                slot * slots
-            }
-        };
-        let guard = (self.spill.is_some())
-            .then(|| self.room.available())
-            .flatten()
-            .map(|a| {
-                a.saturating_add(self.host.cached_bytes())
-                    .saturating_sub(ring)
-            });
-        let mut room = [self.budget_room(), guard]
-            .into_iter()
-            .flatten()
-            .min()
-            .unwrap_or(usize::MAX);
-        // Host-tier allocations take their room first: they have no other place.
-        let forced: usize = (wanted.iter())
-            .filter(|w| {
-                w.3 == BackupTier::Host || (w.3 == BackupTier::Auto && self.spill.is_none())
-            })
-            .map(|w| w.2)
-            .sum();
-        room = room.saturating_sub(forced);
-        let (mut host, mut to_file) = (Vec::new(), Vec::new());
-        for &(addr, device, size, tier) in wanted {
-            let file = match tier {
-                BackupTier::Host => false,
-                BackupTier::File => true,
-                BackupTier::Auto if self.spill.is_none() => false,
-                BackupTier::Auto if size <= room => {
-                    room -= size;
-                    false
-                }
-                BackupTier::Auto => true,
-            };
-            if file {
-                to_file.push((addr, device, size));
-            } else {
-                host.push(addr);
-            }
+        if self.spill.is_some() && wanted.iter().any(|w| w.3 == BackupTier::Auto) {
+            // A buffer being pinned ahead is this sleep's to take (`arena_for_sleep` would stop the worker too):
+            // stopped now, its pinned cells count as host room the sleep has, not as memory the host lost.
+            self.stop_pin_ahead(log);
+        }
+        // Arenas that retained backups dropped by this sleep left unused no longer count against the budget.
+        self.give_back_unused(log);
+        // First without the staging ring, which is pinned only when something goes to a file: with the ring's
+        // room set aside from the start, a sleep that fits in host memory would spill the ring's size for nothing.
+        let (mut host, mut to_file) = self.split_tiers(wanted, self.host_room(0));
+        if !to_file.is_empty() && self.ring.is_none() {
+            let (slot, slots) = StagingRing::shape(self.staging_bytes);
+            (host, to_file) = self.split_tiers(wanted, self.host_room(slot * slots));
         }
         if to_file.is_empty() {
             return Ok((host, None));
@@ -556,6 +554,8 @@ impl BackupStore {
             .collect();
         dir.check_space(offset)?;
         let file = Arc::new(dir.create()?);
+        file.reserve(offset)?;
+        self.files.push(Arc::downgrade(&file));
         let ring = self.ring(log)?;
         Ok((
             host,
@@ -566,6 +566,67 @@ impl BackupStore {
                 jobs,
             }),
         ))
+    }
+
+    /// Host bytes "auto" may give this sleep's backups, `ring` bytes set aside for a staging ring still to pin:
+    /// the budget's room beside the arenas in use and, with a spill directory, what the host RAM guard lets us
+    /// pin (the cached arena's pinned cells are had already), so that "auto" parks more than host RAM instead of
+    /// being refused; or, under a budget, the largest hole of an arena in use (bound.rs), if that is more.
+    fn host_room(&self, ring: usize) -> usize {
+        let guard = (self.spill.is_some())
+            .then(|| self.room.available())
+            .flatten()
+            .map(|a| {
+                a.saturating_add(self.host.cached_pinned_bytes())
+                    .saturating_sub(ring)
+            });
+        let fresh = [self.budget_room(), guard]
+            .into_iter()
+            .flatten()
+            .min()
+            .unwrap_or(usize::MAX);
+        let hole = if self.budget.is_some() {
+            self.largest_hole()
+        } else {
+            0
+        };
+        fresh.max(hole)
+    }
+
+    /// `wanted` split into host-tier allocations and (addr, device, size) of file-tier ones, "auto" ones taking
+    /// host memory in order while `room` lasts.
+    fn split_tiers(
+        &self,
+        wanted: &[(DevPtr, i32, usize, BackupTier)],
+        room: usize,
+    ) -> (Vec<DevPtr>, Vec<(DevPtr, i32, usize)>) {
+        // Host-tier allocations take their room first: they have no other place.
+        let forced: usize = (wanted.iter())
+            .filter(|w| {
+                w.3 == BackupTier::Host || (w.3 == BackupTier::Auto && self.spill.is_none())
+            })
+            .map(|w| w.2)
+            .sum();
+        let mut room = room.saturating_sub(forced);
+        let (mut host, mut to_file) = (Vec::new(), Vec::new());
+        for &(addr, device, size, tier) in wanted {
+            let file = match tier {
+                BackupTier::Host => false,
+                BackupTier::File => true,
+                BackupTier::Auto if self.spill.is_none() => false,
+                BackupTier::Auto if size <= room => {
+                    room -= size;
+                    false
+                }
+                BackupTier::Auto => true,
+            };
+            if file {
+                to_file.push((addr, device, size));
+            } else {
+                host.push(addr);
+            }
+        }
+        (host, to_file)
     }
 
     /// Sleep, once the prints are compared: the rewrites of retained file backups (retain.rs), with the staging

@@ -29,6 +29,7 @@ use crate::host::{HostBuffer, HostPool};
 
 use crate::host::staging::StagingRing;
 pub use crate::host::staging::DEFAULT_STAGING_BYTES;
+pub use bound::SleepArena;
 pub use budget::BUDGET_ENV;
 pub use file_tier::{BackupTier, FileJob, FileRewrite, FileRewrites, FileSleep};
 use pin_ahead::HostRoom;
@@ -63,7 +64,8 @@ enum Place {
 
 /// A backup's bytes in a spill file. Shared by the clones of its `Backup` (the asleep set's, a retained one's, a
 /// pipeline's); when the last goes (woken without retention, freed, its retained backup dropped) the disk blocks
-/// go back at once (a punched hole), not when the last backup in the file goes.
+/// go back at the end of that call (a punched hole, `BackupStore::punch_released`), not when the last backup in
+/// the file goes.
 struct FileRegion {
     file: Arc<SpillFile>,
     offset: u64,
@@ -72,7 +74,7 @@ struct FileRegion {
 
 impl Drop for FileRegion {
     fn drop(&mut self) {
-        self.file.punch(self.offset, self.len);
+        self.file.release(self.offset, self.len);
     }
 }
 
@@ -230,6 +232,8 @@ pub struct BackupStore {
     staging_bytes: usize,
     io: Arc<Faults<PosixIo>>,
     file_bytes: usize,
+    /// The spill files backups may still lie in, for `punch_released` (file_tier.rs).
+    files: Vec<std::sync::Weak<SpillFile>>,
 }
 
 /// Record what pinning absorbed: registrations the driver's own allocation served, and worker threads that could
@@ -265,6 +269,7 @@ impl BackupStore {
             staging_bytes: DEFAULT_STAGING_BYTES,
             io: Arc::new(Faults::new(PosixIo)),
             file_bytes: 0,
+            files: Vec::new(),
             host: HostPool::new(driver.clone()),
             arenas: Vec::new(),
             asleep: HashMap::new(),
@@ -421,6 +426,7 @@ impl BackupStore {
     /// Arenas no backup points into any more go back to the host pool; then the host memory held is brought
     /// back within its bound (bound.rs).
     pub fn collect_unused(&mut self, log: &mut ErrorLog) {
+        self.punch_released();
         self.give_back_unused(log);
         self.bound(log);
     }

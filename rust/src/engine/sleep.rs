@@ -5,7 +5,7 @@ use std::time::Instant;
 
 use super::policy::Policies;
 use super::{tag_set, Engine, Inner, Report};
-use crate::backups::{Backup, BackupTier, FileRewrite, FileSleep, SleepPrints, THREAD_REFUSED};
+use crate::backups::{Backup, FileRewrite, FileSleep, SleepArena, SleepPrints, THREAD_REFUSED};
 use crate::driver::DevPtr;
 use crate::error::{Error, Result};
 use crate::host::HostBuffer;
@@ -86,16 +86,16 @@ impl Engine {
         // Not offloaded this time: a retained backup of these would go stale.
         inner.backups.drop_retained(&bare);
         let mut retained = inner.backups.split_retained(&mut backed);
-        // A retained file backup of a tag whose policy now says "host" is dropped: the tag goes to host memory.
-        let (to_host, kept): (Vec<DevPtr>, Vec<DevPtr>) = retained.into_iter().partition(|a| {
+        // A retained backup in the other tier than its tag's policy now says ("host", "file") is dropped: a fresh
+        // backup goes where the policy says.
+        let (retier, kept): (Vec<DevPtr>, Vec<DevPtr>) = retained.into_iter().partition(|a| {
             let tag = &inner.reg.get(*a).expect("selected").tag;
-            inner.backups.is_retained_in_file(*a)
-                && inner.policies.backup_tier(tag) == BackupTier::Host
+            (inner.backups).retained_in_other_tier(*a, inner.policies.backup_tier(tag))
         });
         retained = kept;
-        if !to_host.is_empty() {
-            inner.backups.drop_retained(&to_host);
-            backed.extend(to_host);
+        if !retier.is_empty() {
+            inner.backups.drop_retained(&retier);
+            backed.extend(retier);
             backed.sort_unstable();
         }
 
@@ -113,7 +113,7 @@ impl Engine {
         let (jobs, total) = self.sleep_jobs(inner, &backed);
         let arena = match total {
             0 => None,
-            _ => match inner.backups.arena_for_sleep(total, &mut inner.log) {
+            _ => match inner.backups.sleep_arena(total, &mut inner.log) {
                 Ok(arena) => Some(arena),
                 Err(e) => {
                     // Refused with nothing released; the retained backups dropped above may have left arenas
@@ -214,35 +214,34 @@ impl Engine {
         (jobs, total)
     }
 
-    /// Queue the backup copies of `jobs` into `arena`. A steady (wholly pinned) arena is filled a bounded number
-    /// of copies ahead, releasing each cell's finished allocations as it goes; a cold one is pinned cell by cell
-    /// meanwhile (its releases come as the caller drains the cells).
+    /// Queue the backup copies of `jobs` into `arena`. A steady (wholly pinned) arena, or a hole of one in use
+    /// (the jobs laid out from its offset), is filled a bounded number of copies ahead, releasing each cell's
+    /// finished allocations as it goes; a cold one is pinned cell by cell meanwhile (its releases come as the
+    /// caller drains the cells).
     fn issue_backups(
         &self,
         inner: &mut Inner,
-        mut arena: HostBuffer,
+        arena: SleepArena,
         jobs: &[Job],
         report: &mut Report,
         first_err: &mut Option<Error>,
     ) -> SleepCopies<'_> {
         let cell_size = inner.backups.pin_chunk();
+        let mut arena = match arena {
+            SleepArena::Hole { arena, offset } => {
+                let jobs: Vec<Job> = (jobs.iter())
+                    .map(|j| Job {
+                        offset: j.offset + offset,
+                        ..*j
+                    })
+                    .collect();
+                return self.issue_pinned(inner, arena, &jobs, report, first_err);
+            }
+            SleepArena::Own(buf) => buf,
+        };
         if transfer::all_pinned(&arena, jobs, cell_size) {
             let arena = inner.backups.adopt(arena, &mut inner.log);
-            let mut rel = CellRelease::new(jobs, cell_size, arena.clone());
-            let (in_flight, result) = transfer::issue_copy_out_pinned(
-                &*self.driver,
-                &arena,
-                jobs,
-                cell_size,
-                |done, waited| rel.finish(self, inner, done, waited, report, first_err),
-            );
-            if let Err(e) = result {
-                first_err.get_or_insert(e);
-            }
-            return SleepCopies {
-                issued: Some(in_flight),
-                cells: Some(rel),
-            };
+            return self.issue_pinned(inner, arena, jobs, report, first_err);
         }
         let mut absorbed = Vec::new();
         let (in_flight, result) =
@@ -260,6 +259,34 @@ impl Engine {
         SleepCopies {
             issued: Some(in_flight),
             cells: Some(CellRelease::new(jobs, cell_size, arena)),
+        }
+    }
+
+    /// Queue the backup copies of `jobs` into the wholly pinned `arena` (held by the store), releasing each
+    /// cell's finished allocations as it goes.
+    fn issue_pinned(
+        &self,
+        inner: &mut Inner,
+        arena: Arc<HostBuffer>,
+        jobs: &[Job],
+        report: &mut Report,
+        first_err: &mut Option<Error>,
+    ) -> SleepCopies<'_> {
+        let cell_size = inner.backups.pin_chunk();
+        let mut rel = CellRelease::new(jobs, cell_size, arena.clone());
+        let (in_flight, result) = transfer::issue_copy_out_pinned(
+            &*self.driver,
+            &arena,
+            jobs,
+            cell_size,
+            |done, waited| rel.finish(self, inner, done, waited, report, first_err),
+        );
+        if let Err(e) = result {
+            first_err.get_or_insert(e);
+        }
+        SleepCopies {
+            issued: Some(in_flight),
+            cells: Some(rel),
         }
     }
 

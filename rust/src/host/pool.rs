@@ -106,6 +106,14 @@ impl HostPool {
         self.cached.iter().map(HostBuffer::len).sum()
     }
 
+    /// Bytes of the cached buffers already pinned (a buffer pinned ahead may be pinned in part only).
+    pub fn cached_pinned_bytes(&self) -> usize {
+        self.cached
+            .iter()
+            .map(|b| b.len() - b.unpinned_below(b.len()))
+            .sum()
+    }
+
     /// Return every cached buffer to the OS; the first error is reported after all were tried, and buffers the
     /// driver refused stay cached for a later trim.
     pub fn trim(&mut self) -> Result<usize> {
