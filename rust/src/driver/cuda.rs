@@ -4,26 +4,35 @@
 //! Contexts: every call first makes the device's primary context current (retaining it once, lazily, so that a
 //! process that only uses device 1 never creates a context on device 0). Loading the same libcuda.so.1 as torch
 //! means this is the very context torch uses, so pointers and streams are shared.
+//!
+//! Compression: where nvCOMP 6 loads (`nvcomp.rs`, once per process, at `new`) and `CUMEM_RS_COMPRESS` is not
+//! `0`, the driver is its own `DeviceCodec` (`cuda_codec.rs`), each device's staging ring taken at set-up.
 
 use std::ffi::{c_void, CStr};
 use std::sync::OnceLock;
 
 use cudarc::driver::sys::{self, CUresult};
 
+use super::codec::DeviceCodec;
 use super::cuda_check::check;
+use super::cuda_codec::CodecRing;
 use super::cuda_fingerprint::FingerprintKernel;
+use super::nvcomp::{self, NvComp};
 use super::{DevPtr, DeviceInfo, Driver, HostPtr, Op, PhysHandle};
 use crate::error::{Error, Result};
 use crate::fingerprint::Fingerprint;
 
 /// Per-device state, created on first use of the device.
-struct DeviceState {
+pub(super) struct DeviceState {
     ctx: sys::CUcontext,
     /// Non-blocking stream that carries sleep/wake copies.
-    copy_stream: sys::CUstream,
+    pub(super) copy_stream: sys::CUstream,
     /// The fingerprint kernel, loaded (with its device buffer) at set-up.
     fingerprint: FingerprintKernel,
-    /// Device memory set-up took for the allocator itself (the kernel's module and buffer), measured.
+    /// The codec's staging ring, taken at set-up, or why this device has none (nvCOMP not loaded, no memory).
+    pub(super) codec: std::result::Result<CodecRing, String>,
+    /// Device memory set-up took for the allocator itself (the kernel's module and buffer, the codec's ring),
+    /// measured.
     own_bytes: usize,
 }
 
@@ -46,6 +55,13 @@ struct Device {
 pub struct CudaDriver {
     devices: Vec<Device>,
     driver_version: i32,
+    /// nvCOMP, where it loaded and compression is not switched off (`CUMEM_RS_COMPRESS=0`).
+    nvcomp: Option<&'static NvComp>,
+}
+
+/// Whether `CUMEM_RS_COMPRESS` leaves compression on (anything but `0`/`off`).
+fn compression_wanted() -> bool {
+    std::env::var("CUMEM_RS_COMPRESS").map_or(true, |v| !matches!(v.trim(), "0" | "off"))
 }
 
 /// Whether libcuda can be loaded; never panics.
@@ -117,9 +133,16 @@ impl CudaDriver {
                     setup: parking_lot::Mutex::new(()),
                 });
             }
+            let nvcomp = if compression_wanted() {
+                nvcomp::load(version).ok()
+            } else {
+                log::info!("no GPU compression of backups: switched off by CUMEM_RS_COMPRESS");
+                None
+            };
             Ok(CudaDriver {
                 devices,
                 driver_version: version,
+                nvcomp,
             })
         }
     }
@@ -139,7 +162,7 @@ impl CudaDriver {
     /// Make `device`'s primary context current on this thread (retaining it and creating its copy stream on
     /// first use). The guard puts back whatever context was current before when it is dropped, so the caller's
     /// current device (torch's `torch.cuda.current_device()`) never changes under it.
-    fn enter(&self, device: i32) -> Result<(&DeviceState, CtxGuard)> {
+    pub(super) fn enter(&self, device: i32) -> Result<(&DeviceState, CtxGuard)> {
         let d = self.device(device)?;
         let state = match d.state.get() {
             Some(state) => state,
@@ -148,13 +171,24 @@ impl CudaDriver {
                 match d.state.get() {
                     Some(state) => state, // another thread set it up while this one waited
                     None => {
-                        let fresh = set_up(d.ordinal)?;
+                        let fresh = set_up(d.ordinal, self.nvcomp)?;
                         d.state.get_or_init(|| fresh)
                     }
                 }
             }
         };
         Ok((state, CtxGuard::switch_to(state.ctx)?))
+    }
+
+    /// nvCOMP as this driver uses it (None: no codec).
+    pub(super) fn nvcomp(&self) -> Option<&'static NvComp> {
+        self.nvcomp
+    }
+
+    /// The codec ring of `device` if the device was set up and has one; never sets a device up.
+    pub(super) fn codec_ring(&self, device: i32) -> Option<&CodecRing> {
+        let state = self.device(device).ok()?.state.get()?;
+        state.codec.as_ref().ok()
     }
 
     /// Some context current for calls that are not tied to one device (host pinning, unmap, release): the
@@ -173,8 +207,9 @@ impl CudaDriver {
     }
 }
 
-/// Retain `ordinal`'s primary context and create its copy stream. On failure nothing stays retained.
-fn set_up(ordinal: sys::CUdevice) -> Result<DeviceState> {
+/// Retain `ordinal`'s primary context, create its copy stream and take the allocator's own device memory (the
+/// fingerprint kernel, the codec's ring where `nvcomp` is given). On failure nothing stays retained.
+fn set_up(ordinal: sys::CUdevice, nvcomp: Option<&'static NvComp>) -> Result<DeviceState> {
     let mut ctx = std::ptr::null_mut();
     // SAFETY: valid out-pointer; once set-up succeeds the retained context is never released, as torch keeps the
     // same primary context for the life of the process.
@@ -201,17 +236,26 @@ fn set_up(ordinal: sys::CUdevice) -> Result<DeviceState> {
         };
         let before = free_memory();
         let fingerprint = FingerprintKernel::prepare(stream);
+        // Without its ring the device still works, uncompressed (the failure is kept for `info` and errors).
+        let codec = match nvcomp {
+            Some(nv) => CodecRing::prepare(nv).map_err(|e| {
+                log::warn!("no nvCOMP codec on device {ordinal}: its staging ring could not be set up: {e}");
+                e.to_string()
+            }),
+            None => Err("nvCOMP is not loaded".to_string()),
+        };
         // What free memory dropped by (other threads' allocations in between would count too).
         let own_bytes = before
             .zip(free_memory())
             .map_or(0, |(b, a)| b.saturating_sub(a));
-        Ok((stream, fingerprint, own_bytes))
+        Ok((stream, fingerprint, codec, own_bytes))
     });
     match made {
-        Ok((copy_stream, fingerprint, own_bytes)) => Ok(DeviceState {
+        Ok((copy_stream, fingerprint, codec, own_bytes)) => Ok(DeviceState {
             ctx,
             copy_stream,
             fingerprint,
+            codec,
             own_bytes,
         }),
         Err(e) => {
@@ -238,7 +282,7 @@ fn current_context() -> Result<sys::CUcontext> {
 }
 
 /// Restores the context that was current before `switch_to` when dropped (if it switched at all).
-struct CtxGuard {
+pub(super) struct CtxGuard {
     previous: Option<sys::CUcontext>,
 }
 
@@ -466,6 +510,10 @@ impl Driver for CudaDriver {
         (self.device(device).ok())
             .and_then(|d| d.state.get())
             .map_or(0, |st| st.own_bytes)
+    }
+
+    fn codec(&self) -> Option<&dyn DeviceCodec> {
+        self.nvcomp.map(|_| self as &dyn DeviceCodec)
     }
 
     fn take_fingerprints(&self, device: i32) -> Result<Vec<Fingerprint>> {

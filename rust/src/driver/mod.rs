@@ -3,8 +3,9 @@
 //! any driver (`fault_injection.rs`); the trait knows nothing of it, nor of the emulation.
 //!
 //! Imports inside this folder go one way: `cuda` -> `cuda_fingerprint` -> `cuda_check`, `cuda` -> `cuda_check`,
-//! `sim` -> `fault_injection`, and every one of them -> this module; `codec` (the compression trait) is a leaf
-//! next to this module.
+//! `cuda` <-> `cuda_codec` (the CUDA driver is its own codec; the ring lives in its device state; its `blob`,
+//! `sleep` and `wake` submodules) -> `nvcomp`, `sim` -> `fault_injection`, and every one of them -> this module; `codec` (the
+//! compression trait) and `nvcomp` (the nvCOMP library, opened at run time) are leaves next to this module.
 //!
 //! Addresses are `u64` device virtual addresses. Physical memory is an opaque `PhysHandle`. Host memory given
 //! to the copy functions is described by `HostPtr`s that point into buffers owned by `host/`; the engine keeps
@@ -36,8 +37,10 @@
 pub mod codec;
 pub mod cuda;
 mod cuda_check;
+mod cuda_codec;
 mod cuda_fingerprint;
 pub mod fault_injection;
+pub mod nvcomp;
 pub mod sim;
 
 use crate::error::Result;
