@@ -88,8 +88,10 @@ impl CodecRing {
                     });
                 } else {
                     let dst = place(i, len)?;
-                    // SAFETY: `place` gave `len` bytes for the raw range; the range is the caller's, mapped.
-                    unsafe { d2h(dst.0, addr, len, copy)? };
+                    if len > 0 {
+                        // SAFETY: `place` gave `len` bytes for the raw range; the range is the caller's, mapped.
+                        unsafe { d2h(dst.0, addr, len, copy)? };
+                    }
                     stored.push(Stored { len, raw: true });
                 }
                 c += n;

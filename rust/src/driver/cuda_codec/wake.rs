@@ -84,8 +84,7 @@ impl CodecRing {
         let (mut i, mut batch) = (0, 0);
         while i < items.len() {
             let Some(first) = &headers[i] else {
-                // SAFETY: the raw blob's bytes are live (the store's contract) and the range is mapped.
-                unsafe { h2d(items[i].dst, items[i].src.0, items[i].raw_len, copy)? };
+                raw_copy(&items[i], copy)?;
                 i += 1;
                 continue;
             };
@@ -99,8 +98,7 @@ impl CodecRing {
                 let item = &items[i];
                 match &headers[i] {
                     None => {
-                        // SAFETY: as above.
-                        unsafe { h2d(item.dst, item.src.0, item.raw_len, copy)? };
+                        raw_copy(item, copy)?;
                     }
                     Some(h) => {
                         let at = round_up(used, DEVICE_ALIGN);
@@ -188,4 +186,14 @@ impl CodecRing {
         }
         Ok(())
     }
+}
+
+/// Queue the plain copy of a raw blob into its range on the copy stream.
+fn raw_copy(item: &RestoreItem, copy: sys::CUstream) -> Result<()> {
+    if item.raw_len == 0 {
+        return Ok(());
+    }
+    // SAFETY: the raw blob's `raw_len` bytes (read_header checked its length) are live and unchanged during the
+    // wake (the store's contract); the destination range is mapped.
+    unsafe { h2d(item.dst, item.src.0, item.raw_len, copy) }
 }
