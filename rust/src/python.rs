@@ -20,6 +20,7 @@ use crate::{ffi, global};
 
 mod convert;
 mod errors;
+mod nvcomp;
 mod results;
 
 use convert::{
@@ -742,6 +743,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
         m.add_function(wrap_pyfunction!(ffi_errors, m)?)?;
         m.add_function(wrap_pyfunction!(drain_logs, m)?)?;
         m.add_function(wrap_pyfunction!(fingerprint_bytes, m)?)?;
+        nvcomp::register(m)?;
         crate::logbuf::install();
         m.add_function(wrap_pyfunction!(_panic_in_next_ffi_call, m)?)?;
         Ok(())

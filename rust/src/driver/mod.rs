@@ -35,6 +35,7 @@
 //! ```
 
 pub mod codec;
+pub mod codec_round_trip;
 pub mod cuda;
 mod cuda_check;
 mod cuda_codec;
