@@ -97,6 +97,10 @@ def test_sleep_and_wake_with_compression_keep_every_bit():
     """Through the backup store: bf16 weights, random bytes and zeros under "weights", slept and woken twice with
     compression on (the default where nvCOMP loads), bit-identical after each wake."""
     a = cumem_rs.Allocator.cuda()
+    try:
+        a.set_tag_policy("weights", compress="auto")
+    except TypeError:
+        pytest.skip("this build's backup store does not compress yet (no compress= tag policy)")
     torch.manual_seed(2)
     sizes = [64 * MiB, 32 * MiB, 16 * MiB]
     addrs = []
@@ -131,4 +135,5 @@ def test_sleep_and_wake_with_compression_keep_every_bit():
     finally:
         for p in addrs:
             a.free(p)
+        a.set_tag_policy("weights")
         assert a.errors() == []
