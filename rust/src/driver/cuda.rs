@@ -13,9 +13,9 @@ use std::sync::OnceLock;
 
 use cudarc::driver::sys::{self, CUresult};
 
-use super::codec::DeviceCodec;
+use super::codec::{DataKind, DeviceCodec, PlaceFn, RestoreItem, Stored};
 use super::cuda_check::check;
-use super::cuda_codec::CodecRing;
+use super::cuda_codec::{self, CodecRing};
 use super::cuda_fingerprint::FingerprintKernel;
 use super::nvcomp::{self, NvComp};
 use super::{DevPtr, DeviceInfo, Driver, HostPtr, Op, PhysHandle};
@@ -23,14 +23,14 @@ use crate::error::{Error, Result};
 use crate::fingerprint::Fingerprint;
 
 /// Per-device state, created on first use of the device.
-pub(super) struct DeviceState {
+struct DeviceState {
     ctx: sys::CUcontext,
     /// Non-blocking stream that carries sleep/wake copies.
-    pub(super) copy_stream: sys::CUstream,
+    copy_stream: sys::CUstream,
     /// The fingerprint kernel, loaded (with its device buffer) at set-up.
     fingerprint: FingerprintKernel,
     /// The codec's staging ring, taken at set-up, or why this device has none (nvCOMP not loaded, no memory).
-    pub(super) codec: std::result::Result<CodecRing, String>,
+    codec: std::result::Result<CodecRing, String>,
     /// Device memory set-up took for the allocator itself (the kernel's module and buffer, the codec's ring),
     /// measured.
     own_bytes: usize,
@@ -162,7 +162,7 @@ impl CudaDriver {
     /// Make `device`'s primary context current on this thread (retaining it and creating its copy stream on
     /// first use). The guard puts back whatever context was current before when it is dropped, so the caller's
     /// current device (torch's `torch.cuda.current_device()`) never changes under it.
-    pub(super) fn enter(&self, device: i32) -> Result<(&DeviceState, CtxGuard)> {
+    fn enter(&self, device: i32) -> Result<(&DeviceState, CtxGuard)> {
         let d = self.device(device)?;
         let state = match d.state.get() {
             Some(state) => state,
@@ -180,13 +180,8 @@ impl CudaDriver {
         Ok((state, CtxGuard::switch_to(state.ctx)?))
     }
 
-    /// nvCOMP as this driver uses it (None: no codec).
-    pub(super) fn nvcomp(&self) -> Option<&'static NvComp> {
-        self.nvcomp
-    }
-
     /// The codec ring of `device` if the device was set up and has one; never sets a device up.
-    pub(super) fn codec_ring(&self, device: i32) -> Option<&CodecRing> {
+    fn codec_ring(&self, device: i32) -> Option<&CodecRing> {
         let state = self.device(device).ok()?.state.get()?;
         state.codec.as_ref().ok()
     }
@@ -282,7 +277,7 @@ fn current_context() -> Result<sys::CUcontext> {
 }
 
 /// Restores the context that was current before `switch_to` when dropped (if it switched at all).
-pub(super) struct CtxGuard {
+struct CtxGuard {
     previous: Option<sys::CUcontext>,
 }
 
@@ -619,5 +614,36 @@ impl Driver for CudaDriver {
         let _ctx = self.enter_host()?;
         // SAFETY: frees memory from host_alloc, once.
         unsafe { check("cuMemFreeHost", sys::cuMemFreeHost(ptr.0 as *mut c_void)) }
+    }
+}
+
+/// The driver is its own codec where nvCOMP loaded (`Driver::codec`): each device's ring lives in its state, and
+/// the work is the ring's (`cuda_codec.rs`); this only finds the ring and makes the device's context current.
+impl DeviceCodec for CudaDriver {
+    fn describe(&self) -> String {
+        self.nvcomp
+            .map_or_else(|| "none".into(), cuda_codec::describe)
+    }
+
+    fn own_device_bytes(&self, device: i32) -> usize {
+        self.codec_ring(device).map_or(0, |r| r.device_bytes())
+    }
+
+    fn compress_to_host(
+        &self,
+        device: i32,
+        ranges: &[(DevPtr, usize)],
+        kind: DataKind,
+        place: &mut PlaceFn<'_>,
+    ) -> Result<Vec<Stored>> {
+        let (st, _ctx) = self.enter(device)?;
+        let ring = (st.codec.as_ref()).map_err(|why| cuda_codec::no_ring(true, device, why))?;
+        ring.compress(st.copy_stream, ranges, kind, place)
+    }
+
+    fn decompress_from_host(&self, device: i32, items: &[RestoreItem]) -> Result<()> {
+        let (st, _ctx) = self.enter(device)?;
+        let ring = (st.codec.as_ref()).map_err(|why| cuda_codec::no_ring(false, device, why))?;
+        ring.decompress(st.copy_stream, items)
     }
 }

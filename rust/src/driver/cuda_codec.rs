@@ -27,8 +27,7 @@ mod blob;
 mod sleep;
 mod wake;
 
-use super::codec::{DataKind, DeviceCodec, PlaceFn, RestoreItem, Stored};
-use super::cuda::CudaDriver;
+use super::codec::{DataKind, RestoreItem};
 use super::cuda_check::check;
 use super::nvcomp::{self, NvComp};
 use super::{DevPtr, HostPtr};
@@ -467,51 +466,22 @@ unsafe fn h2d(dst: u64, src: usize, len: usize, stream: sys::CUstream) -> Result
     }
 }
 
-/// The CUDA driver is its own codec where nvCOMP loaded (`Driver::codec`): the rings live in its device states.
-impl DeviceCodec for CudaDriver {
-    fn describe(&self) -> String {
-        match self.nvcomp() {
-            Some(nv) => {
-                let (a, b, c) = nv.version;
-                format!(
-                    "nvCOMP {a}.{b}.{c} ANS ({} KiB chunks) from {}",
-                    CHUNK >> 10,
-                    nv.origin
-                )
-            }
-            None => "none".into(),
-        }
-    }
-
-    fn own_device_bytes(&self, device: i32) -> usize {
-        self.codec_ring(device).map_or(0, |r| r.device_bytes())
-    }
-
-    fn compress_to_host(
-        &self,
-        device: i32,
-        ranges: &[(DevPtr, usize)],
-        kind: DataKind,
-        place: &mut PlaceFn<'_>,
-    ) -> Result<Vec<Stored>> {
-        let (st, _ctx) = self.enter(device)?;
-        let ring = st
-            .codec
-            .as_ref()
-            .map_err(|why| no_ring(OP_COMPRESS, device, why))?;
-        ring.compress(st.copy_stream, ranges, kind, place)
-    }
-
-    fn decompress_from_host(&self, device: i32, items: &[RestoreItem]) -> Result<()> {
-        let (st, _ctx) = self.enter(device)?;
-        let ring = st
-            .codec
-            .as_ref()
-            .map_err(|why| no_ring(OP_DECOMPRESS, device, why))?;
-        ring.decompress(st.copy_stream, items)
-    }
+/// What the codec is, for `DeviceCodec::describe`.
+pub(super) fn describe(nv: &NvComp) -> String {
+    let (a, b, c) = nv.version;
+    format!(
+        "nvCOMP {a}.{b}.{c} ANS ({} KiB chunks) from {}",
+        CHUNK >> 10,
+        nv.origin
+    )
 }
 
-fn no_ring(op: &'static str, device: i32, why: &str) -> Error {
+/// The error of a codec call on a device that has no ring (`why`: what its set-up said).
+pub(super) fn no_ring(compressing: bool, device: i32, why: &str) -> Error {
+    let op = if compressing {
+        OP_COMPRESS
+    } else {
+        OP_DECOMPRESS
+    };
     codec_error(op, format!("no nvCOMP codec on device {device}: {why}"))
 }

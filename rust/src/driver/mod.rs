@@ -3,8 +3,8 @@
 //! any driver (`fault_injection.rs`); the trait knows nothing of it, nor of the emulation.
 //!
 //! Imports inside this folder go one way: `cuda` -> `cuda_fingerprint` -> `cuda_check`, `cuda` -> `cuda_check`,
-//! `cuda` <-> `cuda_codec` (the CUDA driver is its own codec; the ring lives in its device state; its `blob`,
-//! `sleep` and `wake` submodules) -> `nvcomp`, `sim` -> `fault_injection`, and every one of them -> this module; `codec` (the
+//! `cuda` -> `cuda_codec` (the nvCOMP staging ring, with its `blob`, `sleep` and `wake` submodules) -> `nvcomp`,
+//! `codec_round_trip` (a diagnostic over any driver's codec), `sim` -> `fault_injection`, and every one of them -> this module; `codec` (the
 //! compression trait) and `nvcomp` (the nvCOMP library, opened at run time) are leaves next to this module.
 //!
 //! Addresses are `u64` device virtual addresses. Physical memory is an opaque `PhysHandle`. Host memory given

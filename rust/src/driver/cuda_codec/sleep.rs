@@ -15,7 +15,7 @@ use crate::error::Result;
 
 impl CodecRing {
     /// Compress `ranges` to host blobs (the trait's `compress_to_host`), `copy` being the device's copy stream.
-    pub(super) fn compress(
+    pub(in crate::driver) fn compress(
         &self,
         copy: sys::CUstream,
         ranges: &[(DevPtr, usize)],

@@ -16,7 +16,11 @@ use crate::error::Result;
 
 impl CodecRing {
     /// Restore `items` (the trait's `decompress_from_host`).
-    pub(super) fn decompress(&self, copy: sys::CUstream, items: &[RestoreItem]) -> Result<()> {
+    pub(in crate::driver) fn decompress(
+        &self,
+        copy: sys::CUstream,
+        items: &[RestoreItem],
+    ) -> Result<()> {
         // Every header is checked before anything is queued: a damaged blob fails the wake with the device
         // untouched.
         let headers = items
