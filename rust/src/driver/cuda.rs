@@ -233,7 +233,7 @@ fn set_up(ordinal: sys::CUdevice, nvcomp: Option<&'static NvComp>) -> Result<Dev
         let fingerprint = FingerprintKernel::prepare(stream);
         // Without its ring the device still works, uncompressed (the failure is kept for `info` and errors).
         let codec = match nvcomp {
-            Some(nv) => CodecRing::prepare(nv).map_err(|e| {
+            Some(nv) => CodecRing::prepare(nv, ordinal).map_err(|e| {
                 log::warn!("no nvCOMP codec on device {ordinal}: its staging ring could not be set up: {e}");
                 e.to_string()
             }),

@@ -24,6 +24,7 @@ use cudarc::driver::sys;
 use parking_lot::Mutex;
 
 mod blob;
+mod copies;
 mod sleep;
 mod wake;
 
@@ -98,6 +99,10 @@ struct Work {
 /// failed half-way) gives everything back.
 pub(super) struct CodecRing {
     nv: &'static NvComp,
+    /// The device (ordinal), for the copies' location hints.
+    ordinal: i32,
+    /// Whether a sleep batch's copies go out in one `cuMemcpyBatchAsync` (`copies.rs`).
+    batch_copies: bool,
     /// nvCOMP's kernels run here, so that they overlap the copy stream's copies.
     stream: sys::CUstream,
     /// Chunks per slot.
@@ -138,7 +143,7 @@ impl CodecRing {
     /// Take the ring on the device whose context is current and check nvCOMP round-trips a chunk of each data
     /// type through it (which also makes nvCOMP load its kernels now, not inside the first sleep). Any failure
     /// gives back what was taken: the device then has no codec.
-    pub(super) fn prepare(nv: &'static NvComp) -> Result<CodecRing> {
+    pub(super) fn prepare(nv: &'static NvComp, ordinal: i32) -> Result<CodecRing> {
         let types = [
             nvcomp::TYPE_CHAR,
             nvcomp::TYPE_FLOAT8_E4M3,
@@ -168,6 +173,8 @@ impl CodecRing {
 
         let mut ring = CodecRing {
             nv,
+            ordinal,
+            batch_copies: copies::batch_available(),
             stream: std::ptr::null_mut(),
             chunks,
             stride,
@@ -245,9 +252,10 @@ impl CodecRing {
                 sys::cuMemcpyHtoD_v2(src, pattern.as_ptr() as *const c_void, N),
             )?
         };
+        // Pinned, as the store's memory is, so that the copies take the path of a real sleep.
+        let host = PinnedScratch::new(N)?;
+        let host_ptr = HostPtr(host.0 as usize);
         for kind in [DataKind::Bytes, DataKind::Bits8, DataKind::Bits16] {
-            let mut host = vec![0u8; N];
-            let host_ptr = HostPtr(host.as_mut_ptr() as usize);
             let stored = self.compress(self.stream, &[(src, N)], kind, &mut |_, _| Ok(host_ptr))?;
             if stored[0].raw {
                 return Err(codec_error(
@@ -397,6 +405,25 @@ impl Drop for CodecRing {
                 sys::cuStreamDestroy_v2(self.stream);
             }
         }
+    }
+}
+
+/// Pinned host memory for the self-check, freed when dropped.
+struct PinnedScratch(*mut c_void);
+
+impl PinnedScratch {
+    fn new(len: usize) -> Result<Self> {
+        let mut p = std::ptr::null_mut();
+        // SAFETY: valid out-pointer; a context is current (set-up).
+        unsafe { check("cuMemAllocHost", sys::cuMemAllocHost_v2(&mut p, len))? };
+        Ok(PinnedScratch(p))
+    }
+}
+
+impl Drop for PinnedScratch {
+    fn drop(&mut self) {
+        // SAFETY: allocated by `new`, freed once; the self-check's calls are synchronous, so no copy uses it.
+        unsafe { sys::cuMemFreeHost(self.0) };
     }
 }
 

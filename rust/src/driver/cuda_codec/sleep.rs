@@ -4,8 +4,9 @@
 use cudarc::driver::sys;
 
 use super::blob::Header;
+use super::copies::D2hCopies;
 use super::{
-    chunk_failure, codec_error, d2h, data_type, event_sync, record, CodecRing, Slot, Work, CHUNK,
+    chunk_failure, codec_error, data_type, event_sync, record, CodecRing, Slot, Work, CHUNK,
     IN_BYTES, IN_PTRS, OP_COMPRESS, OUT_BYTES, OUT_PTRS, SLOTS, STATUS_FIELD,
 };
 use crate::driver::codec::{DataKind, PlaceFn, Stored, RAW_RATIO};
@@ -40,6 +41,7 @@ impl CodecRing {
     ) -> Result<Vec<Stored>> {
         let (ty, width) = data_type(kind);
         let mut stored = Vec::with_capacity(ranges.len());
+        let mut copies = D2hCopies::default();
         let (mut start, mut batch) = (0, 0);
         while start < ranges.len() {
             // A batch: the next whole ranges whose chunks fit one slot (at least one range: raw ones count 0).
@@ -77,10 +79,7 @@ impl CodecRing {
                     };
                     for (j, off) in header.offsets().into_iter().enumerate() {
                         let from = slot.area + ((c + j) * self.stride) as u64;
-                        // SAFETY: the chunk's compressed bytes lie in the slot (written by the batch, which the CPU
-                        // waited for) and fit the blob at `off` (blob_len counts them); the slot is not reused before
-                        // `done`, recorded after these copies.
-                        unsafe { d2h(dst.0 + off, from, header.sizes[j], copy)? };
+                        copies.push(dst.0 + off, from, header.sizes[j]);
                     }
                     stored.push(Stored {
                         len: blob_len,
@@ -88,14 +87,15 @@ impl CodecRing {
                     });
                 } else {
                     let dst = place(i, len)?;
-                    if len > 0 {
-                        // SAFETY: `place` gave `len` bytes for the raw range; the range is the caller's, mapped.
-                        unsafe { d2h(dst.0, addr, len, copy)? };
-                    }
+                    copies.push(dst.0, addr, len);
                     stored.push(Stored { len, raw: true });
                 }
                 c += n;
             }
+            // SAFETY: each blob chunk's compressed bytes lie in the slot (written by the batch, which the CPU waited
+            // for) and fit its blob at its offset (blob_len counts them); each raw range is the caller's, mapped, and
+            // `place` gave its length; the slot is not reused before `done`, recorded after these copies.
+            unsafe { copies.queue(copy, self.ordinal, self.batch_copies)? };
             record(slot.done, copy)?;
             start = end;
             batch += 1;
