@@ -78,12 +78,17 @@ def _fill_bf16(torch: Any, views: CoreTensors) -> None:
 
 
 def _fill_fp8(torch: Any, views: CoreTensors) -> None:
+    """e4m3 values of a normal distribution spread over the format's range (sigma 80 of +-448), as quantized
+    weights are; in slices, so the float32 temporaries stay small next to the weights."""
     gen = torch.Generator(device=torch.device("cuda", views.device)).manual_seed(1)
+    step = 1 << 26
     for spec, t in zip(views.specs, views.tensors):
         if spec.tag == WEIGHTS_TAG:
-            x = torch.randn(t.numel(), device=t.device, generator=gen)
-            t.copy_((x / x.abs().max() * 448).to(torch.float8_e4m3fn).view(torch.uint8))
-            del x
+            for lo in range(0, t.numel(), step):
+                part = t[lo:lo + step]
+                x = torch.randn(part.numel(), device=t.device, generator=gen).mul_(80).clamp_(-448, 448)
+                part.copy_(x.to(torch.float8_e4m3fn).view(torch.uint8))
+                del x
 
 
 def _first_accepted(core: Any, modes: tuple[str, ...]) -> Optional[str]:
