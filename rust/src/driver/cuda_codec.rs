@@ -241,7 +241,9 @@ impl CodecRing {
     /// A round trip of one small range in each data type through the real paths: a device range inside the last
     /// slot (single batches use only the first) compressed into host memory and restored next to it, compared.
     fn self_check(&self) -> Result<()> {
-        const N: usize = 64 << 10;
+        // A full chunk and a short one: nvCOMP may pick kernels by chunk size, and every kernel a sleep or wake
+        // will launch should be loaded (its memory taken) now, at set-up.
+        const N: usize = CHUNK + (64 << 10);
         let base = self.work.lock().slots[SLOTS - 1].area;
         let (src, dst) = (base, base + N as u64);
         let pattern = weight_like_pattern(N);
