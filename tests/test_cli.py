@@ -216,13 +216,14 @@ def test_bench_every_table_on_the_simulated_device(tmp_path):
     p = run_cli("bench", "--backend", "sim", "--scale", "1024", "--cycles", "1", "--json", str(out))
     assert p.returncode == 0, p.stdout + p.stderr
     for title in ("the limit: pinned copies", "sleep/wake, copy path", "retained backups", "allocation count",
-                  "malloc/free", "CuMemAllocator wall time", "torch_memory_saver", "pinning ahead", "file tier"):
+                  "malloc/free", "CuMemAllocator wall time", "torch_memory_saver", "pinning ahead", "file tier",
+                  "compress: backups compressed"):
         assert title in p.stdout, title
     data = json.loads(out.read_text())
     m = data["metrics"]
     assert m["errors"] == []
     assert set(m["table_seconds"]) == {"peer", "sleep_wake", "retained", "wall", "pin_ahead", "alloc_count",
-                                       "malloc", "file_tier"}
+                                       "malloc", "file_tier", "compress"}
     w = m["weights_bytes"]
     check_file_tier_metrics(m)
 

@@ -23,6 +23,11 @@ from ._native import (
     cuda_available,
 )
 from .logs import forward_native_logs
+from . import _native as _native_module
+from ._nvcomp import hand_over as _hand_over_nvcomp
+
+# Before anything can load the CUDA driver (which opens nvCOMP once): where the nvCOMP wheels are.
+_hand_over_nvcomp(_native_module)
 
 __all__ = [
     "Allocator",

@@ -64,6 +64,11 @@ def cmd_info(args: argparse.Namespace) -> int:
     else:
         print("cuda backend: not available (no libcuda or no device); the simulated device still works")
 
+    from ._nvcomp import status_lines
+
+    for line in status_lines():
+        print(line)
+
     sim = Allocator.simulated()
     try:
         for d in range(sim.device_count()):

@@ -37,6 +37,10 @@ __all__ = [
     "is_cuda_allocator_ready",
     "ffi_errors",
     "drain_logs",
+    "set_nvcomp_wheels",
+    "cuda_codec_status",
+    "cuda_codec_device_bytes",
+    "_codec_round_trip",
     "_panic_in_next_ffi_call",
     "preload_library",
     "preload_register",
@@ -119,6 +123,21 @@ def preload_live_pointers() -> int:
 
 def drain_logs() -> list[tuple[int, str]]:
     """Rust-side log records queued since the last call, oldest first: (Python logging level, message)."""
+
+def set_nvcomp_wheels(wheels: list[tuple[int, str]]) -> None:
+    """Remember the installed nvCOMP wheels as (CUDA major, library path), for when the CUDA driver loads."""
+
+def cuda_codec_status() -> tuple[bool, str]:
+    """(active, text): the CUDA backend's codec and where it comes from, or why there is none."""
+
+def cuda_codec_device_bytes(device: int) -> int:
+    """Device bytes the CUDA codec holds on `device` (its staging ring)."""
+
+def _codec_round_trip(
+    device: int, src: int, dst: int, nbytes: int, kind: str = "bits16"
+) -> list[tuple[int, bool]]:
+    """Diagnostic: compress `nbytes` at device address `src` through the CUDA codec, restore them at `dst`;
+    (stored bytes, raw) per 2 MiB range."""
 
 def _panic_in_next_ffi_call(on: bool) -> None:
     """Test hook: the next my_malloc or my_free call panics inside; the panic must be caught there."""

@@ -20,6 +20,7 @@ use crate::{ffi, global};
 
 mod convert;
 mod errors;
+mod nvcomp;
 mod preload;
 mod results;
 
@@ -744,6 +745,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
         m.add_function(wrap_pyfunction!(drain_logs, m)?)?;
         m.add_function(wrap_pyfunction!(fingerprint_bytes, m)?)?;
         preload::add_functions(m)?;
+        nvcomp::register(m)?;
         crate::logbuf::install();
         m.add_function(wrap_pyfunction!(_panic_in_next_ffi_call, m)?)?;
         Ok(())

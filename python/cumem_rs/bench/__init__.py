@@ -18,6 +18,8 @@ in the same run. One table per measured thing; --only picks some (default: all o
   file_tier    the file system's own sequential write/read rate in the spill directory (--spill-dir), then
                sleep to spill files and wake from them against it (weights all in files; the 4 GiB budget
                reference case), and the host memory held while backups sit in files against ring + budget
+  compress     compression on and off (nvCOMP on the GPU): sleep and wake of bf16-like and fp8-like weights
+               against the copy limit, and the host memory their backup holds against the raw bytes
   peer         torch_memory_saver when installed, in a child process (run first, while the GPU is empty): its
                pause/resume, and the retained table's three pauses with retain_cpu_backup off and on
 
@@ -44,7 +46,7 @@ from ..workload import (
     sim_granularity,
     total_bytes,
 )
-from . import alloc_count, file_tier, malloc, peer_tms, pin_ahead, plot, retained, sleep_wake, wall
+from . import alloc_count, compress, file_tier, malloc, peer_tms, pin_ahead, plot, retained, sleep_wake, wall
 from .common import Context, Results, fmt_bytes, fmt_seconds, print_table, say, timed
 from .limits import copy_limit, memcpy_gbps
 from .malloc import DEFAULT_MALLOC_COUNT, RawDriver, malloc_sizes
@@ -70,6 +72,7 @@ TABLES = {
     "alloc_count": alloc_count,
     "malloc": malloc,
     "file_tier": file_tier,
+    "compress": compress,
 }
 
 

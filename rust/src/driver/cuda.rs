@@ -4,14 +4,20 @@
 //! Contexts: every call first makes the device's primary context current (retaining it once, lazily, so that a
 //! process that only uses device 1 never creates a context on device 0). Loading the same libcuda.so.1 as torch
 //! means this is the very context torch uses, so pointers and streams are shared.
+//!
+//! Compression: where nvCOMP 6 loads (`nvcomp.rs`, once per process, at `new`) and `CUMEM_RS_COMPRESS` is not
+//! `0`, the driver is its own `DeviceCodec` (`cuda_codec.rs`), each device's staging ring taken at set-up.
 
 use std::ffi::{c_void, CStr};
 use std::sync::OnceLock;
 
 use cudarc::driver::sys::{self, CUresult};
 
+use super::codec::{DataKind, DeviceCodec, PlaceFn, RestoreItem, Stored};
 use super::cuda_check::check;
+use super::cuda_codec::{self, CodecRing};
 use super::cuda_fingerprint::FingerprintKernel;
+use super::nvcomp::{self, NvComp};
 use super::{DevPtr, DeviceInfo, Driver, HostPtr, Op, PhysHandle};
 use crate::error::{Error, Result};
 use crate::fingerprint::Fingerprint;
@@ -23,7 +29,10 @@ struct DeviceState {
     copy_stream: sys::CUstream,
     /// The fingerprint kernel, loaded (with its device buffer) at set-up.
     fingerprint: FingerprintKernel,
-    /// Device memory set-up took for the allocator itself (the kernel's module and buffer), measured.
+    /// The codec's staging ring, taken at set-up, or why this device has none (nvCOMP not loaded, no memory).
+    codec: std::result::Result<CodecRing, String>,
+    /// Device memory set-up took for the allocator itself (the kernel's module and buffer, the codec's ring),
+    /// measured.
     own_bytes: usize,
 }
 
@@ -46,6 +55,13 @@ struct Device {
 pub struct CudaDriver {
     devices: Vec<Device>,
     driver_version: i32,
+    /// nvCOMP, where it loaded and compression is not switched off (`CUMEM_RS_COMPRESS=0`).
+    nvcomp: Option<&'static NvComp>,
+}
+
+/// Whether `CUMEM_RS_COMPRESS` leaves compression on (anything but `0`/`off`).
+fn compression_wanted() -> bool {
+    std::env::var("CUMEM_RS_COMPRESS").map_or(true, |v| !matches!(v.trim(), "0" | "off"))
 }
 
 /// Whether libcuda can be loaded; never panics.
@@ -117,9 +133,16 @@ impl CudaDriver {
                     setup: parking_lot::Mutex::new(()),
                 });
             }
+            let nvcomp = if compression_wanted() {
+                nvcomp::load(version).ok()
+            } else {
+                log::info!("no GPU compression of backups: switched off by CUMEM_RS_COMPRESS");
+                None
+            };
             Ok(CudaDriver {
                 devices,
                 driver_version: version,
+                nvcomp,
             })
         }
     }
@@ -148,13 +171,19 @@ impl CudaDriver {
                 match d.state.get() {
                     Some(state) => state, // another thread set it up while this one waited
                     None => {
-                        let fresh = set_up(d.ordinal)?;
+                        let fresh = set_up(d.ordinal, self.nvcomp)?;
                         d.state.get_or_init(|| fresh)
                     }
                 }
             }
         };
         Ok((state, CtxGuard::switch_to(state.ctx)?))
+    }
+
+    /// The codec ring of `device` if the device was set up and has one; never sets a device up.
+    fn codec_ring(&self, device: i32) -> Option<&CodecRing> {
+        let state = self.device(device).ok()?.state.get()?;
+        state.codec.as_ref().ok()
     }
 
     /// Some context current for calls that are not tied to one device (host pinning, unmap, release): the
@@ -173,8 +202,9 @@ impl CudaDriver {
     }
 }
 
-/// Retain `ordinal`'s primary context and create its copy stream. On failure nothing stays retained.
-fn set_up(ordinal: sys::CUdevice) -> Result<DeviceState> {
+/// Retain `ordinal`'s primary context, create its copy stream and take the allocator's own device memory (the
+/// fingerprint kernel, the codec's ring where `nvcomp` is given). On failure nothing stays retained.
+fn set_up(ordinal: sys::CUdevice, nvcomp: Option<&'static NvComp>) -> Result<DeviceState> {
     let mut ctx = std::ptr::null_mut();
     // SAFETY: valid out-pointer; once set-up succeeds the retained context is never released, as torch keeps the
     // same primary context for the life of the process.
@@ -201,17 +231,26 @@ fn set_up(ordinal: sys::CUdevice) -> Result<DeviceState> {
         };
         let before = free_memory();
         let fingerprint = FingerprintKernel::prepare(stream);
+        // Without its ring the device still works, uncompressed (the failure is kept for `info` and errors).
+        let codec = match nvcomp {
+            Some(nv) => CodecRing::prepare(nv, ordinal).map_err(|e| {
+                log::warn!("no nvCOMP codec on device {ordinal}: its staging ring could not be set up: {e}");
+                e.to_string()
+            }),
+            None => Err("nvCOMP is not loaded".to_string()),
+        };
         // What free memory dropped by (other threads' allocations in between would count too).
         let own_bytes = before
             .zip(free_memory())
             .map_or(0, |(b, a)| b.saturating_sub(a));
-        Ok((stream, fingerprint, own_bytes))
+        Ok((stream, fingerprint, codec, own_bytes))
     });
     match made {
-        Ok((copy_stream, fingerprint, own_bytes)) => Ok(DeviceState {
+        Ok((copy_stream, fingerprint, codec, own_bytes)) => Ok(DeviceState {
             ctx,
             copy_stream,
             fingerprint,
+            codec,
             own_bytes,
         }),
         Err(e) => {
@@ -468,6 +507,10 @@ impl Driver for CudaDriver {
             .map_or(0, |st| st.own_bytes)
     }
 
+    fn codec(&self) -> Option<&dyn DeviceCodec> {
+        self.nvcomp.map(|_| self as &dyn DeviceCodec)
+    }
+
     fn take_fingerprints(&self, device: i32) -> Result<Vec<Fingerprint>> {
         let (st, _ctx) = self.enter(device)?;
         st.fingerprint.take()
@@ -571,5 +614,36 @@ impl Driver for CudaDriver {
         let _ctx = self.enter_host()?;
         // SAFETY: frees memory from host_alloc, once.
         unsafe { check("cuMemFreeHost", sys::cuMemFreeHost(ptr.0 as *mut c_void)) }
+    }
+}
+
+/// The driver is its own codec where nvCOMP loaded (`Driver::codec`): each device's ring lives in its state, and
+/// the work is the ring's (`cuda_codec.rs`); this only finds the ring and makes the device's context current.
+impl DeviceCodec for CudaDriver {
+    fn describe(&self) -> String {
+        self.nvcomp
+            .map_or_else(|| "none".into(), cuda_codec::describe)
+    }
+
+    fn own_device_bytes(&self, device: i32) -> usize {
+        self.codec_ring(device).map_or(0, |r| r.device_bytes())
+    }
+
+    fn compress_to_host(
+        &self,
+        device: i32,
+        ranges: &[(DevPtr, usize)],
+        kind: DataKind,
+        place: &mut PlaceFn<'_>,
+    ) -> Result<Vec<Stored>> {
+        let (st, _ctx) = self.enter(device)?;
+        let ring = (st.codec.as_ref()).map_err(|why| cuda_codec::no_ring(true, device, why))?;
+        ring.compress(st.copy_stream, ranges, kind, place)
+    }
+
+    fn decompress_from_host(&self, device: i32, items: &[RestoreItem]) -> Result<()> {
+        let (st, _ctx) = self.enter(device)?;
+        let ring = (st.codec.as_ref()).map_err(|why| cuda_codec::no_ring(false, device, why))?;
+        ring.decompress(st.copy_stream, items)
     }
 }

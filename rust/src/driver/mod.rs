@@ -3,8 +3,9 @@
 //! any driver (`fault_injection.rs`); the trait knows nothing of it, nor of the emulation.
 //!
 //! Imports inside this folder go one way: `cuda` -> `cuda_fingerprint` -> `cuda_check`, `cuda` -> `cuda_check`,
-//! `sim` -> `fault_injection`, and every one of them -> this module; `codec` (the compression trait) is a leaf
-//! next to this module.
+//! `cuda` -> `cuda_codec` (the nvCOMP staging ring, with its `blob`, `sleep` and `wake` submodules) -> `nvcomp`,
+//! `codec_round_trip` (a diagnostic over any driver's codec), `sim` -> `fault_injection`, and every one of them -> this module; `codec` (the
+//! compression trait) and `nvcomp` (the nvCOMP library, opened at run time) are leaves next to this module.
 //!
 //! Addresses are `u64` device virtual addresses. Physical memory is an opaque `PhysHandle`. Host memory given
 //! to the copy functions is described by `HostPtr`s that point into buffers owned by `host/`; the engine keeps
@@ -34,10 +35,13 @@
 //! ```
 
 pub mod codec;
+pub mod codec_round_trip;
 pub mod cuda;
 mod cuda_check;
+mod cuda_codec;
 mod cuda_fingerprint;
 pub mod fault_injection;
+pub mod nvcomp;
 pub mod sim;
 
 use crate::error::Result;

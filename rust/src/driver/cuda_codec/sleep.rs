@@ -1,0 +1,169 @@
+//! Sleep through the ring: ranges compressed batch by batch into slots on the codec stream, their blobs copied
+//! device->host on the copy stream while the next batch compresses (see the parent module).
+
+use cudarc::driver::sys;
+
+use super::blob::Header;
+use super::copies::D2hCopies;
+use super::{
+    chunk_failure, codec_error, data_type, event_sync, record, CodecRing, Slot, Work, CHUNK,
+    IN_BYTES, IN_PTRS, OP_COMPRESS, OUT_BYTES, OUT_PTRS, SLOTS, STATUS_FIELD,
+};
+use crate::driver::codec::{DataKind, PlaceFn, Stored, RAW_RATIO};
+use crate::driver::cuda_check::check;
+use crate::driver::{nvcomp, DevPtr};
+use crate::error::Result;
+
+impl CodecRing {
+    /// Compress `ranges` to host blobs (the trait's `compress_to_host`), `copy` being the device's copy stream.
+    pub(in crate::driver) fn compress(
+        &self,
+        copy: sys::CUstream,
+        ranges: &[(DevPtr, usize)],
+        kind: DataKind,
+        place: &mut PlaceFn<'_>,
+    ) -> Result<Vec<Stored>> {
+        let mut work = self.work.lock();
+        let result = self.compress_locked(&mut work, copy, ranges, kind, place);
+        // Synchronous by contract, and on error no copy may still write into placed memory.
+        let drained = self.drain(&mut work, copy);
+        let stored = result?;
+        drained.map(|()| stored)
+    }
+
+    fn compress_locked(
+        &self,
+        work: &mut Work,
+        copy: sys::CUstream,
+        ranges: &[(DevPtr, usize)],
+        kind: DataKind,
+        place: &mut PlaceFn<'_>,
+    ) -> Result<Vec<Stored>> {
+        let (ty, width) = data_type(kind);
+        let mut stored = Vec::with_capacity(ranges.len());
+        let mut copies = D2hCopies::default();
+        let (mut start, mut batch) = (0, 0);
+        while start < ranges.len() {
+            // A batch: the next whole ranges whose chunks fit one slot (at least one range: raw ones count 0).
+            let (mut end, mut chunks) = (start, 0);
+            while end < ranges.len() && chunks + self.chunks_of(ranges[end], width) <= self.chunks {
+                chunks += self.chunks_of(ranges[end], width);
+                end += 1;
+            }
+            let slot = &work.slots[batch % SLOTS];
+            // The copies out of this slot's previous batch are done: its area and table may be reused.
+            event_sync(slot.done)?;
+            let sizes = if chunks > 0 {
+                self.compress_batch(slot, ty, &ranges[start..end], width, chunks)?
+            } else {
+                Vec::new()
+            };
+            let mut c = 0;
+            for (i, &(addr, len)) in ranges.iter().enumerate().take(end).skip(start) {
+                let n = self.chunks_of((addr, len), width);
+                let header = Header {
+                    data_type: ty,
+                    raw_len: len,
+                    chunk: CHUNK,
+                    sizes: sizes[c..c + n].to_vec(),
+                };
+                let worth = n > 0 && (header.blob_len() as f64) <= RAW_RATIO * len as f64;
+                if worth {
+                    let blob_len = header.blob_len();
+                    let dst = place(i, blob_len)?;
+                    let bytes = header.encode();
+                    // SAFETY: `place` gave `blob_len` bytes of pinned host memory for this blob; the header is its
+                    // first bytes, and no copy of ours writes there.
+                    unsafe {
+                        std::ptr::copy_nonoverlapping(bytes.as_ptr(), dst.0 as *mut u8, bytes.len())
+                    };
+                    for (j, off) in header.offsets().into_iter().enumerate() {
+                        let from = slot.area + ((c + j) * self.stride) as u64;
+                        copies.push(dst.0 + off, from, header.sizes[j]);
+                    }
+                    stored.push(Stored {
+                        len: blob_len,
+                        raw: false,
+                    });
+                } else {
+                    let dst = place(i, len)?;
+                    copies.push(dst.0, addr, len);
+                    stored.push(Stored { len, raw: true });
+                }
+                c += n;
+            }
+            // SAFETY: each blob chunk's compressed bytes lie in the slot (written by the batch, which the CPU waited
+            // for) and fit its blob at its offset (blob_len counts them); each raw range is the caller's, mapped, and
+            // `place` gave its length; the slot is not reused before `done`, recorded after these copies.
+            unsafe { copies.queue(copy, self.ordinal, self.batch_copies)? };
+            record(slot.done, copy)?;
+            start = end;
+            batch += 1;
+        }
+        Ok(stored)
+    }
+
+    /// Compress the chunks of `ranges` (`chunks` of them) into `slot` and return their compressed sizes.
+    fn compress_batch(
+        &self,
+        slot: &Slot,
+        ty: i32,
+        ranges: &[(DevPtr, usize)],
+        width: usize,
+        chunks: usize,
+    ) -> Result<Vec<usize>> {
+        let mut c = 0;
+        for &(addr, len) in ranges {
+            for j in 0..self.chunks_of((addr, len), width) {
+                let off = j * CHUNK;
+                self.put(slot, IN_PTRS, c, addr + off as u64);
+                self.put(slot, IN_BYTES, c, CHUNK.min(len - off) as u64);
+                self.put(slot, OUT_PTRS, c, slot.area + (c * self.stride) as u64);
+                c += 1;
+            }
+        }
+        debug_assert_eq!(c, chunks);
+        let field = |f: usize| slot.table + (f * 8 * self.chunks) as u64;
+        // SAFETY: the host table was filled above and is not touched until the stream synchronize below; the
+        // device table, slot area and temp are ours and used by nothing else (the ring's lock, the slot's `done`
+        // waited for); the input chunks are mapped ranges of the caller's, aligned (chunks_of).
+        unsafe {
+            self.h2d_table(slot, 0, OUT_BYTES)?;
+            self.nv.compress(
+                ty,
+                field(IN_PTRS),
+                field(IN_BYTES),
+                CHUNK,
+                chunks,
+                self.temp,
+                self.temp_bytes,
+                field(OUT_PTRS),
+                field(OUT_BYTES),
+                field(STATUS_FIELD),
+                self.stream,
+            )?;
+            self.d2h_table(slot, OUT_BYTES)?;
+            check(OP_COMPRESS, sys::cuStreamSynchronize(self.stream))?;
+        }
+        (0..chunks)
+            .map(|c| {
+                let (status, size) = (self.status(slot, c), self.get(slot, OUT_BYTES, c) as usize);
+                if status != nvcomp::SUCCESS {
+                    Err(chunk_failure(
+                        self.nv,
+                        OP_COMPRESS,
+                        status,
+                        self.get(slot, IN_PTRS, c),
+                    ))
+                } else if size == 0 || size > self.stride {
+                    Err(codec_error(
+                        OP_COMPRESS,
+                        format!("nvCOMP reported {size} compressed bytes for a chunk"),
+                    ))
+                } else {
+                    Ok(size)
+                }
+            })
+            .collect()
+    }
+}
