@@ -309,7 +309,10 @@ def test_unchanged_weights_sleep_to_files_without_writing(retaining_files):
         rep = a.sleep("weights")
         assert rep["written_bytes"] == 0 and rep["copied_bytes"] == 0
         assert rep["skipped_bytes"] == size
-        assert a.stats()["file_tier_bytes"] == size and a.stats()["asleep_allocations"] == 3
+        ours = {addr for addr, _ in tensors}
+        # Counted among this test's allocations: the CUDA allocator is shared, other tests may leave theirs.
+        assert a.stats()["file_tier_bytes"] == size
+        assert sum(1 for x in a.allocations() if x["address"] in ours and x["asleep"]) == 3
         for addr, data in tensors:
             assert a.read_backup(addr, len(data)) == bytes(data)
         woke = a.wake_up(None)

@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 from pathlib import Path
 from typing import Iterator
 
@@ -378,3 +379,48 @@ def test_readme_names_every_variable():
     section = section[: section.index("\n## ", 4)]
     for name in TMS_VARIABLES:
         assert name in section, f"{name} is not described in the README section"
+
+
+# -- torch_memory_saver's C-level state getters (`_impl._binary_wrapper.cdll`) -------------------------------------
+
+
+def test_state_getters_follow_regions_nesting_and_disable(saver, sim):
+    saver._ensure_initialized()
+    c = saver._impl._binary_wrapper.cdll
+    assert not c.tms_get_interesting_region() and not c.tms_get_enable_cpu_backup()
+    assert (c.tms_get_current_tag(), c.tms_get_cpu_backup_backend()) == (b"default", b"pinned")
+    with saver.region("outer", enable_cpu_backup=True, cpu_backup_backend="mmap"):
+        assert c.tms_get_interesting_region() and c.tms_get_enable_cpu_backup()
+        assert (c.tms_get_current_tag(), c.tms_get_cpu_backup_backend()) == (b"outer", b"mmap")
+        with saver.region("inner"):
+            assert c.tms_get_interesting_region() and not c.tms_get_enable_cpu_backup()
+            assert (c.tms_get_current_tag(), c.tms_get_cpu_backup_backend()) == (b"inner", b"pinned")
+            with saver.disable():
+                assert not c.tms_get_interesting_region()
+            assert c.tms_get_current_tag() == b"inner"
+        assert c.tms_get_current_tag() == b"outer"
+        seen: list[bool] = []
+        t = threading.Thread(target=lambda: seen.append(c.tms_get_interesting_region()))
+        t.start()
+        t.join()
+        assert seen == [False], "regions are per thread"
+    assert not c.tms_get_interesting_region() and c.tms_get_current_tag() == b"default"
+    assert saver._impl is saver._impl
+
+
+def test_state_getters_read_the_backend_from_the_environment(saver, sim, monkeypatch):
+    monkeypatch.setenv("TMS_INIT_CPU_BACKUP_BACKEND", "mmap")
+    saver._ensure_initialized()
+    c = saver._impl._binary_wrapper.cdll
+    assert c.tms_get_cpu_backup_backend() == b"mmap"
+    with saver.region(enable_cpu_backup=True):
+        assert c.tms_get_cpu_backup_backend() == b"mmap"
+    with saver.region("p", enable_cpu_backup=True, cpu_backup_backend="pinned"):
+        assert c.tms_get_cpu_backup_backend() == b"pinned"
+
+
+def test_other_names_of_the_state_library_come_from_the_global_symbol_scope(saver):
+    c = saver._impl._binary_wrapper.cdll
+    assert callable(c.malloc), "libc's malloc, as dlsym on torch_memory_saver's library handle would find it"
+    with pytest.raises(AttributeError):
+        c.no_such_symbol_anywhere

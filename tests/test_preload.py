@@ -75,6 +75,9 @@ _CLEARED = ("LD_PRELOAD", "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
 def _run(body: str, preload: bool = True, prelude: bool = True, **env: str) -> subprocess.CompletedProcess:
     """Run `body` (after PRELUDE) in a child with the hook library preloaded; it prints "ok" at its end."""
     child_env = {k: v for k, v in os.environ.items() if not k.startswith("TMS_") and k not in _CLEARED}
+    # No GPU for the runtime, also where there is one: the forwarded calls then fail, as the tests expect, and
+    # routed ones reach the simulated driver only.
+    child_env["CUDA_VISIBLE_DEVICES"] = ""
     child_env.update(env)
     if preload:
         child_env["LD_PRELOAD"] = _preload.library_path()
@@ -270,6 +273,25 @@ def test_init_enable_routes_every_thread_and_disable_suspends_it():
     assert tms_resume(None) == 0 and not asleep(g)
     assert sim.read(b, 2 * MiB) == db
     assert tms_pause(b"\\xff") == 1, "a tag that is not UTF-8: cudaErrorInvalidValue"
+    """
+    _check(_run(body, TMS_INIT_ENABLE="1", TMS_INIT_ENABLE_CPU_BACKUP="1"))
+
+
+def test_pause_with_nothing_but_init_enable_pauses_what_was_routed_since_import():
+    """torch_memory_saver's training_engine: no region, no explicit set-up; pause() itself sets the saver up, and
+    with it the default tag that TMS_INIT_ENABLE's allocations go to. (On CUDA, memory is routed from import on,
+    before any set-up: test_preload_cuda's training engine is the test of that order; the simulated allocator is
+    the target only once the saver is set up, here by the first pause.)"""
+    body = """
+    saver.pause()  # the set-up; nothing routed yet
+    rc, a = malloc(MiB)
+    assert rc == 0 and tags() == {a: "default"}
+    data = os.urandom(MiB)
+    sim.write(a, data)
+    saver.pause()
+    assert asleep(a) and sim.usage() == 0
+    saver.resume()
+    assert sim.read(a, MiB) == data
     """
     _check(_run(body, TMS_INIT_ENABLE="1", TMS_INIT_ENABLE_CPU_BACKUP="1"))
 

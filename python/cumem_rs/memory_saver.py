@@ -48,6 +48,7 @@ from . import _native, _preload
 from ._native import CumemError, CumemOutOfMemoryError, CumemTypeError, CumemValueError
 from ._pools import check_tag, new_pool, pool_activity, pool_block
 from ._tms_env import CPU_BACKUP_BACKENDS, TmsEnv, read_tms_env
+from ._tms_state import DEFAULT_BACKEND, DEFAULT_TAG, CState, Impl, RegionState, ThreadStates
 
 if TYPE_CHECKING:
     from ._sim_pools import SimulatedPools
@@ -107,6 +108,9 @@ class TorchMemorySaver:
 
     def __init__(self, _backend: Optional["Backend"] = None) -> None:
         self._lock = threading.Lock()
+        # Per thread: the active regions and disable() (what torch_memory_saver's C-level getters report).
+        self._threads = ThreadStates()
+        self._impl_state: Optional[Impl] = None
         self._init_lock = threading.Lock()
         # `_backend`: what to run over instead of the process-wide CuMemAllocator (a SimulatedPools in CPU-only
         # tests); `_alloc` is set once the saver has initialised (`_ensure_initialized`).
@@ -263,12 +267,22 @@ class TorchMemorySaver:
         memory pinned for fast copies and unmapped when released."""
         check_tag(tag)
         backup = _check_backup_args(enable_cpu_backup, enable_disk_backup, cpu_backup_backend)
-        return self._region(tag, backup)
+        return self._region(tag, backup, cpu_backup_backend)
 
     @contextlib.contextmanager
-    def _region(self, tag: str, backup: str) -> Iterator[None]:
+    def _region(self, tag: str, backup: str, backend: Optional[str] = None) -> Iterator[None]:
         alloc = self._allocator()
         inner = self._use_tag(alloc, tag, backup)
+        state = RegionState(tag, backup == _CPU, backend or self._default_backend())
+        self._threads.regions.append(state)
+        try:
+            with self._routed_region(alloc, inner, backup):
+                yield
+        finally:
+            self._threads.regions.pop()
+
+    @contextlib.contextmanager
+    def _routed_region(self, alloc: "Backend", inner: str, backup: str) -> Iterator[None]:
         if not self._preload:
             with alloc.use_memory_pool(inner):
                 yield
@@ -384,6 +398,8 @@ class TorchMemorySaver:
         if self._alloc is None and (self._hook_mode == "preload" or (self._hook_mode is None and _preload.active())):
             self._ensure_initialized()
         with contextlib.ExitStack() as stack:
+            self._threads.disabled += 1
+            stack.callback(self._enable_again)
             if self._preload:
                 stack.enter_context(_preload.forwarded())
             if self._backend is None:  # torch's tensors (a simulated backend has none)
@@ -392,13 +408,44 @@ class TorchMemorySaver:
                 stack.enter_context(torch.cuda.use_mem_pool(retire[0]))
             yield
 
+    def _enable_again(self) -> None:
+        self._threads.disabled -= 1
+
+    # -- torch_memory_saver's C-level state -----------------------------------------------------------------------
+
+    @property
+    def _impl(self) -> Impl:
+        """What torch_memory_saver's own tests read as `_impl._binary_wrapper.cdll.tms_get_*()` (`_tms_state.py`)."""
+        if self._impl_state is None:
+            self._impl_state = Impl(CState(self._routed_state, self._outside_state))
+        return self._impl_state
+
+    def _default_backend(self) -> str:
+        """A region's CPU backup backend when it names none: TMS_INIT_CPU_BACKUP_BACKEND, as there."""
+        return self._env.init_cpu_backup_backend if self._env is not None else DEFAULT_BACKEND
+
+    def _routed_state(self) -> Optional[RegionState]:
+        """What this thread's allocations are routed as now; None when they are not routed."""
+        if self._threads.disabled:
+            return None
+        if self._threads.regions:
+            return self._threads.regions[-1]
+        env = self._env
+        if env is not None and env.init_enable and self._preload:
+            return RegionState(DEFAULT_TAG, env.init_enable_cpu_backup, env.init_cpu_backup_backend)
+        return None
+
+    def _outside_state(self) -> RegionState:
+        return RegionState(DEFAULT_TAG, False, self._default_backend())
+
     # -- pause / resume -------------------------------------------------------------------------------------------
 
     def pause(self, tag: Optional[str] = None) -> None:
         """Release the GPU memory of `tag` (None: every tag a region or graph here used), copying regions with
         CPU backup to host memory first. Other tags keep running. Pausing a paused tag does nothing."""
-        tags = self._tags_of(tag)
+        # Set-up first: with TMS_INIT_ENABLE it is what makes the default tag (memory routed since import) known.
         alloc = self._allocator()
+        tags = self._tags_of(tag)
         if tags:
             alloc.pause(tags)
 
@@ -406,8 +453,8 @@ class TorchMemorySaver:
         """Map GPU memory at the same addresses again for `tag` (None: every tag used here) and restore CPU
         backups; all or nothing. Refuses with CumemOutOfMemoryError, mapping nothing, when the free device memory
         left afterwards would be below `memory_margin_bytes`."""
-        tags = self._tags_of(tag)
         alloc = self._allocator()
+        tags = self._tags_of(tag)
         if not tags:
             return
         if self._memory_margin_bytes > 0:
