@@ -3,7 +3,8 @@
 //! any driver (`fault_injection.rs`); the trait knows nothing of it, nor of the emulation.
 //!
 //! Imports inside this folder go one way: `cuda` -> `cuda_fingerprint` -> `cuda_check`, `cuda` -> `cuda_check`,
-//! `sim` -> `fault_injection`, and every one of them -> this module; `codec` (the compression trait) is a leaf
+//! `sim` -> `fault_injection`, `sim` <-> `sim_codec` (the emulator's codec),
+//! and every one of them -> this module; `codec` (the compression trait) is a leaf
 //! next to this module.
 //!
 //! Addresses are `u64` device virtual addresses. Physical memory is an opaque `PhysHandle`. Host memory given
@@ -39,6 +40,7 @@ mod cuda_check;
 mod cuda_fingerprint;
 pub mod fault_injection;
 pub mod sim;
+pub mod sim_codec;
 
 use crate::error::Result;
 use crate::fingerprint::Fingerprint;
@@ -93,10 +95,15 @@ pub enum Op {
     Fingerprint,
     /// Not a driver call: the allocator starting a worker thread (see `Driver::thread_spawn`).
     ThreadSpawn,
+    /// The codec's calls (`codec::DeviceCodec`): a sleep's compression, a wake's decompression, and a
+    /// decompression that succeeds with wrong bytes (fault injection only: what the wake's verify must catch).
+    Compress,
+    Decompress,
+    CorruptDecompress,
 }
 
 impl Op {
-    pub const ALL: [Op; 18] = [
+    pub const ALL: [Op; 21] = [
         Op::Reserve,
         Op::FreeRange,
         Op::Create,
@@ -115,6 +122,9 @@ impl Op {
         Op::MemsetZero,
         Op::Fingerprint,
         Op::ThreadSpawn,
+        Op::Compress,
+        Op::Decompress,
+        Op::CorruptDecompress,
     ];
 
     pub fn name(self) -> &'static str {
@@ -137,6 +147,9 @@ impl Op {
             Op::MemsetZero => "memset_zero",
             Op::Fingerprint => "fingerprint",
             Op::ThreadSpawn => "thread_spawn",
+            Op::Compress => "compress",
+            Op::Decompress => "decompress",
+            Op::CorruptDecompress => "decompress_corrupt",
         }
     }
 

@@ -22,7 +22,9 @@ use std::ffi::c_void;
 use parking_lot::Mutex;
 use rustix::mm::{mmap, mmap_anonymous, mprotect, munmap, MapFlags, MprotectFlags, ProtFlags};
 
+use super::codec::DeviceCodec;
 use super::fault_injection::FaultInjector;
+use super::sim_codec::SimCodecCounts;
 use super::{DevPtr, DeviceInfo, Driver, HostPtr, Op, PhysHandle};
 use crate::error::{cuda_code, Error, Result};
 use crate::fingerprint::{self, Fingerprint};
@@ -54,6 +56,9 @@ pub struct SimConfig {
     /// Time each `host_register` takes (spent outside the driver's lock), so that tests can race a sleep
     /// against background pinning at a chosen stage.
     pub host_register_delay: std::time::Duration,
+    /// Offer the host codec (`sim_codec.rs`) for compressed backups; off: every backup is raw, as on a machine
+    /// without nvCOMP.
+    pub compress: bool,
 }
 
 impl Default for SimConfig {
@@ -64,6 +69,7 @@ impl Default for SimConfig {
             granularity: 2 << 20,
             host_memory: None,
             host_register_delay: std::time::Duration::ZERO,
+            compress: true,
         }
     }
 }
@@ -127,6 +133,7 @@ pub struct SimCounts {
 pub struct Emulator {
     config: SimConfig,
     state: Mutex<State>,
+    codec_counts: SimCodecCounts,
 }
 
 /// The simulated driver: the emulation inside the fault injector.
@@ -190,7 +197,13 @@ impl Emulator {
         Ok(Emulator {
             config,
             state: Mutex::new(state),
+            codec_counts: SimCodecCounts::default(),
         })
+    }
+
+    /// What the host codec did so far.
+    pub fn codec_counts(&self) -> &SimCodecCounts {
+        &self.codec_counts
     }
 
     /// Live resources (`calls` is left empty: the fault injector counts calls).
@@ -747,6 +760,10 @@ impl Driver for Emulator {
         })?;
         // SAFETY: the mapping was made by host_alloc with this size and its owner gave it back.
         unsafe { munmap(ptr.0 as *mut c_void, size) }.map_err(|e| os_err(Op::HostAlloc, e))
+    }
+
+    fn codec(&self) -> Option<&dyn DeviceCodec> {
+        self.config.compress.then_some(self as &dyn DeviceCodec)
     }
 
     fn host_available(&self) -> Option<usize> {
