@@ -37,6 +37,7 @@ impl Engine {
         inner.backups.collect_finished_pin_ahead(&mut inner.log);
         let c = &inner.counters;
         let asleep = || inner.reg.iter().filter(|a| !a.is_awake());
+        let compressed = inner.backups.compressed_asleep();
         Stats {
             live_allocations: inner.reg.len(),
             asleep_allocations: asleep().count(),
@@ -46,8 +47,16 @@ impl Engine {
             host_backup_bytes: inner.backups.arena_bytes(),
             host_cached_bytes: inner.backups.cached_bytes(),
             host_retained_bytes: inner.backups.retained_bytes(),
-            host_tier_bytes: inner.backups.asleep_bytes(),
+            host_tier_bytes: inner.backups.asleep_raw_bytes(),
             file_tier_bytes: inner.backups.file_bytes(),
+            host_tier_stored_bytes: inner.backups.asleep_bytes(),
+            compressed_bytes: compressed.0,
+            compressed_raw_bytes: compressed.1,
+            compression_ratio: match compressed {
+                (_, 0) => 1.0,
+                (s, r) => s as f64 / r as f64,
+            },
+            codec: inner.backups.codec_description(),
             staging_bytes: inner.backups.staging_held(),
             retained_allocations: inner.backups.retained_count(),
             mallocs: c.mallocs,
