@@ -38,6 +38,10 @@ pub(super) const FIRST_RATIO_GUESS: f64 = 0.75;
 /// Smallest arena taken for blobs: a few pages, so that a small backup does not hold more than its raw size.
 const MIN_ARENA: usize = 64 << 10;
 
+/// Largest arena taken for blobs: the estimate's error is then at most one arena's tail, which `finish` moves
+/// into an arena of its exact size when it is large (a host copy of at most this much).
+const MAX_ARENA: usize = 256 << 20;
+
 /// Decodes a blob on the host, where the codec's format allows it (the simulated driver's): `read_backup` of a
 /// compressed backup. None on CUDA, whose blobs only a wake restores.
 pub(crate) type HostDecode = fn(&[u8], &mut [u8]) -> Result<()>;
@@ -144,7 +148,7 @@ impl Placer<'_> {
         let fits = (self.arenas.last()).is_some_and(|a| a.len() - self.used >= len);
         if !fits {
             let estimate = (rest_raw as f64 * self.ratio * 1.05) as usize;
-            let size = estimate.max(len).max(MIN_ARENA);
+            let size = estimate.clamp(MIN_ARENA, MAX_ARENA).max(len);
             // The cached arena (pinned ahead, or kept from an earlier sleep) when it is not much larger than needed.
             let buf = match self.store.host.take_cached(size) {
                 Some(b) if b.len() <= 2 * size => b,
@@ -168,6 +172,30 @@ impl Placer<'_> {
         let offset = self.used;
         self.used += len;
         Ok((self.arenas.len() - 1, offset))
+    }
+}
+
+impl Placer<'_> {
+    /// The arenas, the last one moved into a buffer of the bytes it uses when more than an eighth of it is
+    /// unused (host bytes held = stored bytes, within that slack). A failure keeps it as it is.
+    fn finish(mut self) -> Vec<HostBuffer> {
+        let Some(last) = self.arenas.last() else {
+            return self.arenas;
+        };
+        let (len, used) = (last.len(), self.used);
+        if used == 0 || len - used <= (len / 8).max(MIN_ARENA) {
+            return self.arenas;
+        }
+        let Ok((mut exact, fallback)) = HostBuffer::acquire(&self.store.driver, used) else {
+            return self.arenas;
+        };
+        self.store.host.fallbacks.extend(fallback);
+        self.store.host.notes.append(&mut exact.notes);
+        let old = self.arenas.pop().expect("checked");
+        exact.copy_from(0, &old, 0, used); // no device copy touches either: the codec has returned
+        let _ = self.store.host.give_back(old);
+        self.arenas.push(exact);
+        self.arenas
     }
 }
 
@@ -295,7 +323,7 @@ impl BackupStore {
                 made.insert((n, i), (places[k].0, places[k].1, stored[k]));
             }
         }
-        let arenas: Vec<Arc<HostBuffer>> = (placer.arenas.into_iter())
+        let arenas: Vec<Arc<HostBuffer>> = (placer.finish().into_iter())
             .map(|a| self.adopt(a, log))
             .collect();
         self.record_host_fallbacks(log);
