@@ -428,11 +428,15 @@ impl BackupStore {
                 stored += p.stored_bytes();
             }
             codec.decompress_from_host(dev, &items).map_err(|e| {
-                let (addr, _) = allocs[0];
-                Error::InvalidState(format!(
-                    "wake: restoring the compressed backups on device {dev} (allocation {addr:#x} first) failed: \
-                     {e}; every allocation stays asleep with its backup"
-                ))
+                let addrs: Vec<String> = allocs.iter().map(|(a, _)| format!("{a:#x}")).collect();
+                naming(
+                    e,
+                    format!(
+                        "restoring the compressed backups of allocations {} on device {dev}; every allocation \
+                         stays asleep with its backup",
+                        addrs.join(", ")
+                    ),
+                )
             })?;
             let fps = take_prints(&*self.driver, dev, &chunks)?;
             let mut at = 0;
@@ -460,6 +464,21 @@ impl BackupStore {
         (self.asleep.values())
             .filter_map(|b| b.packed().map(|p| (p.stored_bytes(), b.len)))
             .fold((0, 0), |(s, r), (ps, pr)| (s + ps, r + pr))
+    }
+}
+
+/// `e` with `context` added to its message, its kind (and a driver error's op and code) kept.
+fn naming(e: Error, context: String) -> Error {
+    match e {
+        Error::Driver { op, code, name } => Error::Driver {
+            op,
+            code,
+            name: format!("{name} ({context})"),
+        },
+        Error::OutOfMemory { what } => Error::OutOfMemory {
+            what: format!("{what} ({context})"),
+        },
+        other => Error::InvalidState(format!("{other} ({context})")),
     }
 }
 

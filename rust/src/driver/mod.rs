@@ -153,6 +153,12 @@ impl Op {
         }
     }
 
+    /// Whether an injected fault makes the call fail (all but `CorruptDecompress`, which lets its call succeed
+    /// with wrong bytes: what the wake's verification must catch, not an error of the driver's).
+    pub fn fails_its_call(self) -> bool {
+        self != Op::CorruptDecompress
+    }
+
     pub fn parse(name: &str) -> Option<Op> {
         Op::ALL.iter().copied().find(|op| op.name() == name)
     }

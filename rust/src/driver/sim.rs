@@ -18,6 +18,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::ffi::c_void;
+use std::sync::atomic::Ordering::Relaxed;
 
 use parking_lot::Mutex;
 use rustix::mm::{mmap, mmap_anonymous, mprotect, munmap, MapFlags, MprotectFlags, ProtFlags};
@@ -125,6 +126,10 @@ pub struct SimCounts {
     pub markers: usize,
     /// Fingerprint batches queued and not taken (each must be taken, like markers waited for).
     pub fingerprint_batches: usize,
+    /// What the host codec did (`sim_codec::SimCodecCounts`): ranges compressed, of them stored raw, restored.
+    pub codec_compressed: u64,
+    pub codec_stored_raw: u64,
+    pub codec_decompressed: u64,
     /// Calls per operation (every `Op`), as the fault injector counted them; empty from `Emulator::counts`.
     pub calls: Vec<(&'static str, u64)>,
 }
@@ -224,6 +229,9 @@ impl Emulator {
             host_allocated,
             markers: st.markers.len(),
             fingerprint_batches: st.fingerprints.len(),
+            codec_compressed: self.codec_counts.compressed.load(Relaxed),
+            codec_stored_raw: self.codec_counts.stored_raw.load(Relaxed),
+            codec_decompressed: self.codec_counts.decompressed.load(Relaxed),
             calls: Vec::new(),
         }
     }
