@@ -213,6 +213,12 @@ impl BackupStore {
         self.compress = on;
     }
 
+    /// Host bytes `raw` bytes of compressed backups are estimated to take (the last compressed sleep's ratio,
+    /// with the placer's slack), for pinning ahead.
+    pub fn estimate_stored(&self, raw: usize) -> usize {
+        (raw as f64 * self.ratio_guess * 1.05).min(raw as f64) as usize
+    }
+
     /// What the codec is, while sleeps compress.
     pub fn codec_description(&self) -> Option<String> {
         self.compressing()
@@ -355,6 +361,8 @@ impl BackupStore {
             };
             out.backups.push((addr, backup, prints[n].clone()));
         }
+        // The spare arena the bound lets the store keep for the next sleep (bound.rs): as large as these blobs.
+        self.largest = self.largest.max(out.stored_bytes);
         if out.raw_bytes > 0 {
             self.ratio_guess = (out.stored_bytes as f64 / out.raw_bytes as f64).clamp(0.01, 1.0);
         }

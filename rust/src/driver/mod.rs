@@ -3,7 +3,7 @@
 //! any driver (`fault_injection.rs`); the trait knows nothing of it, nor of the emulation.
 //!
 //! Imports inside this folder go one way: `cuda` -> `cuda_fingerprint` -> `cuda_check`, `cuda` -> `cuda_check`,
-//! `sim` -> `fault_injection`, `sim` <-> `sim_codec` (the emulator's codec),
+//! `sim` -> `fault_injection`, `sim` -> `sim_codec` (the emulator's codec),
 //! and every one of them -> this module; `codec` (the compression trait) is a leaf
 //! next to this module.
 //!

@@ -30,6 +30,7 @@ use super::{DevPtr, DeviceInfo, Driver, HostPtr, Op, PhysHandle};
 use crate::error::{cuda_code, Error, Result};
 use crate::fingerprint::{self, Fingerprint};
 
+mod codec;
 mod host_pins;
 mod slices;
 #[cfg(test)]

@@ -10,13 +10,14 @@
 //! the exponent) carries ~2.6 bits, the low byte ~8, so the sim's ratio for `normal_()` bf16 (~0.67) resembles
 //! the GPU's. `Bits8` codes bytes as they are (fp8's bytes are its symbols).
 //!
+//! The emulator offers these functions over its own copies as its `DeviceCodec` (`sim/codec.rs`).
+//!
 //! A blob is `HEADER` bytes (magic, mode, raw length, length of the first stream) and the zstd frame(s). A range
 //! that does not shrink below `RAW_RATIO` is stored raw (`Stored::raw`): its blob is its bytes.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use super::codec::{DataKind, DeviceCodec, PlaceFn, RestoreItem, Stored, RAW_RATIO};
-use super::sim::Emulator;
+use super::codec::{DataKind, PlaceFn, RestoreItem, Stored, RAW_RATIO};
 use super::{copy_from_slice, copy_to_slice, DevPtr, Driver, HostPtr};
 use crate::error::{cuda_code, Error, Result};
 
@@ -254,28 +255,6 @@ pub fn decompress_items(
         counts.decompressed.fetch_add(1, Ordering::Relaxed);
     }
     Ok(())
-}
-
-/// The emulator's codec (`Driver::codec` hands it out while `SimConfig::compress` is on): the functions above
-/// over its own checked copies.
-impl DeviceCodec for Emulator {
-    fn describe(&self) -> String {
-        "sim: zstd level 1 on the host, 16-bit byte split for bf16/fp16".to_string()
-    }
-
-    fn compress_to_host(
-        &self,
-        device: i32,
-        ranges: &[(DevPtr, usize)],
-        kind: DataKind,
-        place: &mut PlaceFn<'_>,
-    ) -> Result<Vec<Stored>> {
-        compress_ranges(self, self.codec_counts(), device, ranges, kind, place)
-    }
-
-    fn decompress_from_host(&self, device: i32, items: &[RestoreItem]) -> Result<()> {
-        decompress_items(self, self.codec_counts(), device, items)
-    }
 }
 
 #[cfg(test)]

@@ -145,20 +145,26 @@ impl Engine {
 
     /// Bytes of the arena a sleep offloading `tags` would need now: their awake allocations, except those of
     /// tags whose policy is not to back up or backs up to files, and those with a retained backup (which need no
-    /// new arena). What to
-    /// pin ahead when the allocations of those tags have been made.
+    /// new arena); those of tags that compress count what they are estimated to take stored (the ratio of the
+    /// last compressed sleep). What to pin ahead when the allocations of those tags have been made.
     pub fn backup_bytes_of<S: AsRef<str>>(&self, tags: &[S]) -> Result<usize> {
         let wanted = tag_set(tags);
         let inner = self.lock_open()?;
-        Ok((inner.reg.iter())
-            .filter(|a| a.is_awake() && wanted.contains(&*a.tag))
-            .filter(|a| {
-                inner.policies.pause_backup(&a.tag)
-                    && inner.policies.backup_tier(&a.tag) != BackupTier::File
-                    && !inner.backups.is_retained(a.addr)
-            })
-            .map(|a| a.size)
-            .sum())
+        let compressing = inner.backups.compressing();
+        let (mut raw, mut packed) = (0, 0);
+        for a in (inner.reg.iter()).filter(|a| a.is_awake() && wanted.contains(&*a.tag)) {
+            if inner.policies.pause_backup(&a.tag)
+                && inner.policies.backup_tier(&a.tag) != BackupTier::File
+                && !inner.backups.is_retained(a.addr)
+            {
+                if compressing && inner.policies.compress_kind(&a.tag).is_some() {
+                    packed += a.size;
+                } else {
+                    raw += a.size;
+                }
+            }
+        }
+        Ok(raw + inner.backups.estimate_stored(packed))
     }
 
     // ----- policies ---------------------------------------------------------------------------------------
