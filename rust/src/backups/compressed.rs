@@ -57,8 +57,9 @@ pub(crate) struct Blob {
 /// A compressed backup: the blobs of an allocation's chunks, in order, and their prints from the sleep.
 pub(crate) struct Packed {
     pub(crate) kind: DataKind,
-    /// Raw bytes per chunk (the last chunk may be shorter).
+    /// Raw bytes per chunk (the last chunk may be shorter), and in all.
     pub(crate) chunk: usize,
+    pub(crate) size: usize,
     pub(crate) blobs: Vec<Blob>,
     /// Fingerprint of each chunk's raw bytes, taken by the sleep that made its blob.
     pub(crate) prints: Vec<Fingerprint>,
@@ -349,6 +350,7 @@ impl BackupStore {
             let packed = Packed {
                 kind,
                 chunk,
+                size,
                 blobs,
                 prints: prints[n].clone(),
                 host_decode,
@@ -361,8 +363,10 @@ impl BackupStore {
             };
             out.backups.push((addr, backup, prints[n].clone()));
         }
-        // The spare arena the bound lets the store keep for the next sleep (bound.rs): as large as these blobs.
-        self.largest = self.largest.max(out.stored_bytes);
+        // The spare arena the bound lets the store keep for the next sleep (bound.rs): as large as the blobs made
+        // now (those of unchanged retained chunks were made before).
+        let made_bytes: usize = made.values().map(|m| m.2.len).sum();
+        self.largest = self.largest.max(made_bytes);
         if out.raw_bytes > 0 {
             self.ratio_guess = (out.stored_bytes as f64 / out.raw_bytes as f64).clamp(0.01, 1.0);
         }
@@ -465,6 +469,97 @@ impl BackupStore {
             }
         }
         Ok((raw, stored))
+    }
+
+    /// Move the blobs of compressed backups (asleep and retained) out of arenas with unused bytes into one new
+    /// arena of exactly their size (bound.rs, after its raw backups): partial wakes and changed chunks leave
+    /// holes in blob arenas as they do in raw ones. Same bytes, same prints; no device copy touches a blob.
+    pub(super) fn compact_packed(&mut self, log: &mut ErrorLog) -> Result<()> {
+        let packed: Vec<(DevPtr, bool, Arc<Packed>)> = (self.asleep.iter())
+            .map(|(a, b)| (*a, false, b))
+            .chain(self.retention.retained.iter().map(|(a, b)| (*a, true, b)))
+            .filter_map(|(a, r, b)| b.packed().map(|p| (a, r, p.clone())))
+            .collect();
+        // Bytes of blobs in each arena (a blob shared by two backups counted once).
+        let mut used: HashMap<usize, usize> = HashMap::new();
+        let mut seen = std::collections::HashSet::new();
+        for (_, _, p) in &packed {
+            for b in &p.blobs {
+                if seen.insert((Arc::as_ptr(&b.arena) as usize, b.offset)) {
+                    *used.entry(Arc::as_ptr(&b.arena) as usize).or_default() += b.stored.len;
+                }
+            }
+        }
+        let holed = |b: &Blob| used[&(Arc::as_ptr(&b.arena) as usize)] < b.arena.len();
+        let moving: Vec<&(DevPtr, bool, Arc<Packed>)> = packed
+            .iter()
+            .filter(|(_, _, p)| p.blobs.iter().any(holed))
+            .collect();
+        let mut places: HashMap<(usize, usize), usize> = HashMap::new();
+        let mut total = 0;
+        for (_, _, p) in &moving {
+            for b in p.blobs.iter().filter(|b| holed(b)) {
+                places
+                    .entry((Arc::as_ptr(&b.arena) as usize, b.offset))
+                    .or_insert_with(|| {
+                        total += b.stored.len;
+                        total - b.stored.len
+                    });
+            }
+        }
+        if total == 0
+            || self
+                .check_budget(total, "compacting compressed backups")
+                .is_err()
+        {
+            return Ok(());
+        }
+        let (mut buf, fallback) = HostBuffer::acquire(&self.driver, total)?;
+        let refused = std::mem::take(&mut buf.notes);
+        super::record_pinning(log, fallback.into_iter().collect(), refused);
+        let mut copied = std::collections::HashSet::new();
+        for (_, _, p) in &moving {
+            for b in p.blobs.iter().filter(|b| holed(b)) {
+                let key = (Arc::as_ptr(&b.arena) as usize, b.offset);
+                if copied.insert(key) {
+                    buf.copy_from(places[&key], &b.arena, b.offset, b.stored.len);
+                }
+            }
+        }
+        let arena = Arc::new(buf);
+        for (addr, retained, p) in moving {
+            let blobs = (p.blobs.iter())
+                .map(
+                    |b| match places.get(&(Arc::as_ptr(&b.arena) as usize, b.offset)) {
+                        Some(&offset) => Blob {
+                            arena: arena.clone(),
+                            offset,
+                            stored: b.stored,
+                        },
+                        None => b.clone(),
+                    },
+                )
+                .collect();
+            let moved = Packed {
+                kind: p.kind,
+                chunk: p.chunk,
+                size: p.size,
+                blobs,
+                prints: p.prints.clone(),
+                host_decode: p.host_decode,
+            };
+            let backup = Backup {
+                place: Place::Packed(Arc::new(moved)),
+                len: p.size,
+            };
+            if *retained {
+                self.retention.rebind(*addr, backup);
+            } else {
+                self.asleep.insert(*addr, backup);
+            }
+        }
+        self.arenas.push(arena);
+        Ok(())
     }
 
     /// Stored and raw bytes of the compressed backups of asleep allocations.
