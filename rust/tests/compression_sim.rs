@@ -327,3 +327,36 @@ fn blob_arenas_with_holes_are_compacted_within_the_host_bound() {
     e.close().unwrap();
     assert_no_leaks(&sim);
 }
+
+#[test]
+fn compacting_blob_arenas_moves_the_blobs_intact() {
+    // A partial wake leaves a hole in the blob arena; a reservation compacts first (bound.rs), moving the
+    // remaining blobs into an arena of exactly their size; the next wake restores (and verifies) them.
+    let (sim, e) = engine(1, 64 << 20);
+    e.set_retain_backups(false).unwrap();
+    let wa = bf16_like(8 * GRAN, 30);
+    let a = weights(&e, &wa);
+    e.push_tag("kv_cache").unwrap();
+    let wb = bf16_like(8 * GRAN, 31);
+    let b = e.malloc(wb.len(), 0, 0).unwrap();
+    e.write(b, &wb).unwrap();
+    e.pop_tag().unwrap();
+    e.sleep(&["weights", "kv_cache"]).unwrap();
+    e.wake(Some(&["weights"])).unwrap();
+    let stored = e.stats().host_tier_stored_bytes;
+    assert!(
+        e.stats().host_backup_bytes > stored,
+        "the weights' blobs left a hole"
+    );
+    e.reserve_host(64 * GRAN, false).unwrap();
+    assert_eq!(
+        e.stats().host_backup_bytes,
+        stored,
+        "the blobs moved into an arena of their size"
+    );
+    e.wake(None::<&[&str]>).unwrap();
+    assert!(e.read(a, wa.len()).unwrap() == wa);
+    assert!(e.read(b, wb.len()).unwrap() == wb);
+    e.close().unwrap();
+    assert_no_leaks(&sim);
+}
