@@ -104,6 +104,13 @@ def alloc(backend: str) -> Iterator[Allocator]:
 
 
 @pytest.fixture
+def raw_backups(monkeypatch) -> None:
+    """Allocators made in the test back up raw (CUMEM_RS_COMPRESS=0: no codec), for tests that count the raw
+    path's copies, pinned cells or host bytes. Request it before the allocator (`usefixtures`)."""
+    monkeypatch.setenv("CUMEM_RS_COMPRESS", "0")
+
+
+@pytest.fixture
 def sim() -> Iterator[Allocator]:
     with allocator_for("sim") as a:
         yield a

@@ -5,6 +5,8 @@ worker holds counts as held from the start. Both failed before (found by review)
 
 from __future__ import annotations
 
+import pytest
+
 from cumem_rs import Allocator
 
 KiB = 1 << 10
@@ -64,6 +66,7 @@ def test_a_free_while_pinning_ahead_counts_the_workers_buffer():
     a.close()
 
 
+@pytest.mark.usefixtures("raw_backups")  # the raw path: counts its copies or host bytes
 def test_compaction_keeps_neighbours_back_to_back_so_a_wake_restores_each_run_in_one_copy():
     """Compaction moves backups in address order (it once followed a hash map's order, found by review): the wake's
     restore then merges each run of neighbours into one copy."""

@@ -71,6 +71,7 @@ def _alloc(saver: TorchMemorySaver, sim: Allocator, tag: str, fill: int, **regio
 # -- defaults and semantics of 0.0.10 ------------------------------------------------------------------------------
 
 
+@pytest.mark.usefixtures("raw_backups")  # the raw path: counts its copies or host bytes
 def test_retain_cpu_backup_is_off_by_default_and_resume_returns_the_host_memory(saver, sim):
     assert saver.retain_cpu_backup is False
     assert sim.keep_host_memory() is False, "the saver's default is the allocator's setting"
@@ -86,6 +87,7 @@ def test_retain_cpu_backup_is_off_by_default_and_resume_returns_the_host_memory(
     assert sim.usage() >= 2 * N and sim.read(kv, 1) is not None
 
 
+@pytest.mark.usefixtures("raw_backups")  # the raw path: counts its copies or host bytes
 def test_retained_backups_make_the_next_pause_copy_only_what_changed(saver, sim):
     saver.retain_cpu_backup = True
     assert saver.retain_cpu_backup is True and sim.keep_host_memory() is True
@@ -217,6 +219,7 @@ def test_environment_defaults_are_torch_memory_saver_s():
 
 
 @pytest.mark.parametrize("value,expected", [("1", True), ("true", True), ("YES", True), ("0", False), ("no", False)])
+@pytest.mark.usefixtures("raw_backups")  # the raw path: counts its copies or host bytes
 def test_tms_retain_cpu_backup_sets_the_initial_retain(saver, sim, monkeypatch, value, expected):
     monkeypatch.setenv("TMS_RETAIN_CPU_BACKUP", value)
     assert saver.retain_cpu_backup is expected

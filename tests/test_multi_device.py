@@ -239,6 +239,7 @@ def test_selective_wake_per_tag_across_devices(multi):
                                                                                  multi.granularity(last))
 
 
+@pytest.mark.usefixtures("raw_backups")  # the raw path: counts its copies or host bytes
 def test_freeing_asleep_allocations_on_several_devices(multi):
     # On CUDA the process-wide allocator may hold allocations of earlier tests (a torch pool's cached segment):
     # asleep after the sleep below, back after the wake.

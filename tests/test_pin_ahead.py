@@ -86,6 +86,7 @@ def test_reserve_host_past_the_host_budget_is_refused():
 
 
 @pytest.mark.parametrize("stage", ["started", "half", "done"])
+@pytest.mark.usefixtures("raw_backups")  # the raw path: counts its copies or host bytes
 def test_sleep_racing_the_worker(stage):
     a = _sim(delay=0.02)
     allocs = _fill(a, [3 * GRAN, 5 * GRAN])
@@ -144,6 +145,7 @@ def test_malloc_and_free_do_not_wait_for_the_worker():
     a.close()
 
 
+@pytest.mark.usefixtures("raw_backups")  # the raw path: counts its copies or host bytes
 def test_budget_too_small_stops_the_worker_with_one_warning():
     a = _sim(host_memory=5 * GRAN)
     allocs = _fill(a, [3 * GRAN, 4 * GRAN])
@@ -165,6 +167,7 @@ def test_bad_host_register_delay_is_a_value_error():
         Allocator.simulated(host_memory=-1)
 
 
+@pytest.mark.usefixtures("raw_backups")  # the raw path: counts its copies or host bytes
 def test_backup_bytes_of_counts_awake_allocations_of_the_tags():
     a = _sim()
     a.push_tag("weights")

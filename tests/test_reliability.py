@@ -116,6 +116,7 @@ def test_the_os_refusing_a_thread_is_not_a_panic():
 
 
 @pytest.mark.parametrize("op", ["reserve", "map", "copy_d2h", "host_register", "unmap", "thread_spawn"])
+@pytest.mark.usefixtures("raw_backups")  # the raw path: counts its copies or host bytes
 def test_a_panic_surfaces_as_cumem_error_and_leaves_the_allocator_refusing_calls(op):
     a = new_sim()
     a.set_pin_chunk(64 * 1024)  # several cells: copies are queued before the later cells are pinned

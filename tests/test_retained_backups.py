@@ -155,6 +155,7 @@ def test_driver_fingerprints_equal_the_host_reference(a):
         a.fingerprints(addr, 15)
 
 
+@pytest.mark.usefixtures("raw_backups")  # the raw path: counts its copies or host bytes
 def test_host_cost_stays_flat_over_cycles(a):
     addr, size, data = weights(a, 2)
     cycle(a)
@@ -177,6 +178,7 @@ def sim_a():
         yield s
 
 
+@pytest.mark.usefixtures("raw_backups")  # the raw path: counts its copies or host bytes
 def test_fingerprint_failure_at_the_first_sleep_retains_nothing(sim_a):
     addr, size, data = weights(sim_a, 1)
     sim_a.inject_fault("fingerprint", 1, "unknown")
@@ -191,6 +193,7 @@ def test_fingerprint_failure_at_the_first_sleep_retains_nothing(sim_a):
     assert sim_a.read(addr, size) == data
 
 
+@pytest.mark.usefixtures("raw_backups")  # the raw path: counts its copies or host bytes
 def test_wake_runs_no_kernel(sim_a):
     """Prints are taken at sleep; a wake only copies (a kernel there would hold up the maps under the copies)."""
     weights(sim_a, 2)
@@ -213,6 +216,7 @@ def test_fingerprint_failure_at_sleep_copies_everything(sim_a):
     assert sim_a.read(addr, size) == data
 
 
+@pytest.mark.usefixtures("raw_backups")  # the raw path: counts its copies or host bytes
 def test_failed_copy_of_a_changed_chunk_leaves_the_data_awake_and_drops_the_retained_backup(sim_a):
     addr, size, data = weights(sim_a, 2)
     cycle(sim_a)

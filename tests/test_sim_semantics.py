@@ -130,6 +130,7 @@ def test_free_asleep_releases_range_and_backup(sim):
     assert_no_leaks(sim)
 
 
+@pytest.mark.usefixtures("raw_backups")  # the raw path: counts its copies or host bytes
 def test_free_of_all_asleep_returns_backup_arena(sim):
     a, _ = tagged(sim, "weights", 2 * SIM_GRANULARITY)
     b, _ = tagged(sim, "weights", SIM_GRANULARITY, device=1)
@@ -205,6 +206,7 @@ def test_keep_host_memory_false_returns_host(sim):
     assert live_counts(sim)["host_registered"] + live_counts(sim)["host_allocated"] == 0
 
 
+@pytest.mark.usefixtures("raw_backups")  # the raw path: counts its copies or host bytes
 def test_keep_host_memory_true_caches_host(sim):
     w, wd = tagged(sim, "weights", 4 * SIM_GRANULARITY)
     sim.set_keep_host_memory(True)
@@ -238,6 +240,7 @@ def test_reserve_host(sim):
     assert sim.read(w, len(wd)) == wd
 
 
+@pytest.mark.usefixtures("raw_backups")  # the raw path: counts its copies or host bytes
 def test_stats_fields(sim):
     w, _ = tagged(sim, "weights", 2 * SIM_GRANULARITY)
     k, _ = tagged(sim, "kv_cache", SIM_GRANULARITY, device=1)

@@ -532,3 +532,57 @@ def machine_for(backend: str, base: type = AllocatorMachine) -> type:
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_allocator_state_machine(backend):
     run_state_machine_as_test(machine_for(backend), settings=STATEFUL_SETTINGS)
+
+
+# --- compression ---------------------------------------------------------------------------------------------------
+# The simulated driver compresses backed-up tags by default ("auto"), so the machine above runs with compression
+# on. The variants below switch each tag's mode between steps (raw and compressed backups mixed in one sleep,
+# retained compressed backups across mode changes), and keep the raw path covered with every tag "off".
+
+COMPRESS_MODES = ["auto", "off", "bits16", "bits8", "bytes"]
+
+
+class CompressingMachine(AllocatorMachine):
+    @rule(tag=st.sampled_from(TAGS), mode=st.sampled_from(COMPRESS_MODES))
+    def set_compress(self, tag, mode):
+        p = {k: v for k, v in self.policies.get(tag, DEFAULT_POLICY).items() if k != "compress"}
+        self.a.set_tag_policy(tag, p["backup"], p["wake_fill"], compress=mode)
+        if mode != "auto":
+            p["compress"] = mode
+        self.policies[tag] = p
+
+    @invariant()
+    def compressed_bytes_add_up(self):
+        s = self.a.stats()
+        assert s["compressed_raw_bytes"] <= s["host_tier_bytes"], s
+        assert s["compressed_bytes"] <= s["host_tier_stored_bytes"], s
+        # Raw host backups take their raw size.
+        raw_stored = s["host_tier_stored_bytes"] - s["compressed_bytes"]
+        assert raw_stored == s["host_tier_bytes"] - s["compressed_raw_bytes"], s
+
+
+class RawMachine(AllocatorMachine):
+    """Every tag with compress="off": the raw backups' path, as on a GPU without nvCOMP."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        for tag in TAGS:
+            self._set(tag, None, "undefined")
+
+    def _set(self, tag, backup, wake_fill):
+        self.a.set_tag_policy(tag, backup, wake_fill, compress="off")
+        self.policies[tag] = {"backup": backup, "wake_fill": wake_fill, "compress": "off"}
+
+    @rule(tag=st.sampled_from(TAGS), backup=st.sampled_from([None, True, False]),
+          wake_fill=st.sampled_from(["undefined", "zero"]))
+    def set_policy(self, tag, backup, wake_fill):
+        self._set(tag, backup, wake_fill)
+
+    @invariant()
+    def nothing_is_compressed(self):
+        assert self.a.stats()["compressed_bytes"] == 0
+
+
+@pytest.mark.parametrize("base", [CompressingMachine, RawMachine], ids=["compress-modes", "raw"])
+def test_allocator_state_machine_compression(base):
+    run_state_machine_as_test(machine_for("sim", base), settings=STATEFUL_SETTINGS)

@@ -24,6 +24,7 @@ from .results import (
 __all__ = [
     "__version__",
     "FAULT_OPS",
+    "CORRUPTING_FAULT_OPS",
     "FAULT_ERRORS",
     "CumemError",
     "CumemOutOfMemoryError",
@@ -59,6 +60,10 @@ __version__: str
 
 #: Operation names accepted by `Allocator.inject_fault` (simulated driver only).
 FAULT_OPS: list[str]
+#: Also accepted by `inject_fault`, but the call succeeds with wrong results instead of failing:
+#: "decompress_corrupt" flips a byte of what a wake's decompression restored, which the wake's verification
+#: against the sleep's fingerprints must catch.
+CORRUPTING_FAULT_OPS: list[str]
 #: Error kinds accepted by `Allocator.inject_fault`.
 FAULT_ERRORS: list[str]
 
@@ -157,11 +162,14 @@ class Allocator:
         granularity: Optional[int] = None,
         host_memory: Optional[int] = None,
         host_register_delay: float = 0.0,
+        compress: bool = True,
     ) -> "Allocator":
         """A fresh allocator over a new simulated driver. `capacity` is physical bytes per device.
         None means the default: 1 device, 1 GiB capacity, 2 MiB granularity. `host_memory`: host bytes the
         simulated machine can pin (None: the real host's, see CUMEM_RS_HOST_MEMORY_LIMIT); `host_register_delay`:
-        seconds each host registration takes (to race sleeps against background pinning in tests)."""
+        seconds each host registration takes (to race sleeps against background pinning in tests); `compress`:
+        whether the simulated driver offers its host codec (zstd) for compressed backups (False: every backup is
+        raw, as on a GPU without nvCOMP)."""
     @staticmethod
     def cuda() -> "Allocator":
         """The process-wide CUDA allocator (the one `my_malloc`/`my_free` use). Raises CumemError without a GPU."""
@@ -212,7 +220,7 @@ class Allocator:
         """Copy `data` to `address` (inside one awake allocation)."""
     def info(self) -> Info:
         """{"backend", "devices": [{"device", "name", "free", "total", "granularity", "rdma_with_vmm"}],
-        "driver_version" (CUDA only)}."""
+        "codec" (what sleeps compress with, None: raw), "driver_version" (CUDA only)}."""
     @property
     def closed(self) -> bool: ...
     def usage(self, device: Optional[int] = None) -> int:
@@ -304,13 +312,16 @@ class Allocator:
         backup: Optional[bool] = None,
         wake_fill: Literal["undefined", "zero"] = "undefined",
         backup_tier: Literal["host", "file", "auto"] = "auto",
+        compress: Literal["auto", "off", "bits16", "bits8", "bytes"] = "auto",
     ) -> None:
         """Set the whole policy of `tag` (the defaults clear it). `backup`: whether a release that does not say
         backs the tag up: `pause` always follows it (None: back up), `sleep(None)` too (None: only "default"),
         an explicit `sleep(offload_tags)` decides itself. `wake_fill="zero"`: memory of the tag that wakes
         without a backup comes back zeroed (device memset under the wake's copies). `backup_tier`: where its
         backups go: "host" (pinned host memory, refused past the host budget), "file" (the spill directory;
-        refused without one) or "auto" (host memory up to the budget, files for the rest)."""
+        refused without one) or "auto" (host memory up to the budget, files for the rest). `compress`: whether
+        its host backups are compressed where the driver has a codec: "auto" (the 16-bit mode, for bf16/fp16),
+        "off", "bits16", "bits8" (fp8) or "bytes" (any data); file backups are never compressed."""
     def tag_policy(self, tag: str) -> TagPolicy:
         """{"backup": bool | None, "wake_fill": "undefined" | "zero", "backup_tier": ...} of `tag`."""
     def pause(self, tags: Optional[Union[str, Sequence[str]]] = None) -> Report:

@@ -39,7 +39,7 @@ from . import _native
 from ._native import Allocator, ClosedError, CumemError, CumemTypeError, CumemValueError
 from ._pools import check_tag, new_pool, pluggable, pool_activity, pool_block, tag_tuple
 from .logs import forward_native_logs
-from .results import BackupTier, Report, Status, WakeFill
+from .results import BackupTier, Compress, Report, Stats, Status, WakeFill
 
 logger = logging.getLogger("cumem_rs")
 
@@ -164,6 +164,17 @@ class CuMemAllocator:
     def current_tag(self) -> str:
         """Innermost tag of the calling thread ("default" outside any pool)."""
         return self._native.current_tag()
+
+    @property
+    def codec(self) -> Optional[str]:
+        """What sleeps compress host backups with (the codec's own description, e.g. nvCOMP's and where it was
+        loaded from), or None when backups are raw (no codec, or CUMEM_RS_COMPRESS=0)."""
+        return self._native.stats()["codec"]
+
+    def stats(self) -> Stats:
+        """The core allocator's counters, compression included: `host_tier_bytes` (raw) against
+        `host_tier_stored_bytes`, `compressed_bytes`, `compressed_raw_bytes`, `compression_ratio`, `codec`."""
+        return self._native.stats()
 
     def get_current_usage(self) -> int:
         """Bytes held by live allocations, awake or asleep (as upstream: every allocation still registered)."""
@@ -340,6 +351,7 @@ class CuMemAllocator:
         backup: Optional[bool] = None,
         wake_fill: WakeFill = "undefined",
         backup_tier: BackupTier = "auto",
+        compress: Compress = "auto",
     ) -> None:
         """Set the whole policy of `tag` ahead of time (the defaults clear it).
 
@@ -348,7 +360,9 @@ class CuMemAllocator:
         `sleep(offload_tags)` decides for every tag itself. `wake_fill="zero"`: its memory that wakes without a
         backup comes back zeroed instead of undefined (a device memset queued under the wake's copies).
         `backup_tier`: "host", "file" (the spill directory, `set_spill_dir`) or "auto" (host memory up to the
-        host budget, files for the rest).
+        host budget, files for the rest). `compress`: whether its host backups are compressed where a codec is
+        active (`codec`): "auto" (the 16-bit mode, best for bf16/fp16 weights), "off", "bits16", "bits8" (fp8)
+        or "bytes" (any data); what does not shrink is stored raw, and file backups are never compressed.
         """
         tag = check_tag(tag)
         if backup is not None and not isinstance(backup, bool):
@@ -358,7 +372,11 @@ class CuMemAllocator:
         self._check_open()
         if backup_tier not in ("host", "file", "auto"):
             raise CumemValueError(f"backup_tier must be 'host', 'file' or 'auto', got {backup_tier!r}")
-        self._native.set_tag_policy(tag, backup, wake_fill, backup_tier)
+        if compress not in ("auto", "off", "bits16", "bits8", "bytes"):
+            raise CumemValueError(
+                f"compress must be 'auto', 'off', 'bits16', 'bits8' or 'bytes', got {compress!r}"
+            )
+        self._native.set_tag_policy(tag, backup, wake_fill, backup_tier, compress)
 
     def pause(self, tags: Optional[TagArg] = None) -> Report:
         """Release the awake memory of `tags` only (None: every tag), backed up per their policy (unset: backed

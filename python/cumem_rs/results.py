@@ -21,12 +21,15 @@ __all__ = [
     "TagPolicy",
     "TagStatus",
     "BackupTier",
+    "Compress",
     "WakeFill",
 ]
 
 WakeFill = Literal["undefined", "zero"]
 #: Where a tag's backups go: pinned host memory, the spill directory, or host up to the budget then files.
 BackupTier = Literal["host", "file", "auto"]
+#: Whether and how a tag's host backups are compressed ("auto": the 16-bit mode; see the README).
+Compress = Literal["auto", "off", "bits16", "bits8", "bytes"]
 
 
 class Report(TypedDict):
@@ -52,6 +55,10 @@ class Report(TypedDict):
     #: Seconds of the file tier's pipeline, and its rate ((written or read bytes) / file_seconds / 1e9).
     file_seconds: float
     file_gb_per_s: float
+    #: Compressed backups the call made (sleep) or restored (wake): their raw bytes and the host bytes their
+    #: blobs take (stored_bytes / raw_bytes is the ratio); raw backups count in neither.
+    raw_bytes: int
+    stored_bytes: int
     seconds: float
     #: copied_bytes / seconds / 1e9 (0.0 when nothing took time).
     gb_per_s: float
@@ -82,9 +89,17 @@ class Stats(TypedDict):
     host_backup_bytes: int
     host_cached_bytes: int
     host_retained_bytes: int
-    #: Bytes of the backups of asleep allocations per tier.
+    #: Bytes of the backups of asleep allocations per tier (raw: the allocations' bytes).
     host_tier_bytes: int
     file_tier_bytes: int
+    #: Host bytes the host tier's backups take as stored (compressed ones count their blobs; files are raw).
+    host_tier_stored_bytes: int
+    #: The compressed backups of asleep allocations: host bytes, raw bytes, their ratio (1.0 with none).
+    compressed_bytes: int
+    compressed_raw_bytes: int
+    compression_ratio: float
+    #: The codec sleeps compress with; None: backups are raw (no codec, CUMEM_RS_COMPRESS=0).
+    codec: Optional[str]
     #: Pinned bytes of the file tier's staging ring (outside the host budget).
     staging_bytes: int
     retained_allocations: int
@@ -119,9 +134,10 @@ class _TagPolicyKeys(TypedDict):
 
 
 class TagPolicy(_TagPolicyKeys, total=False):
-    """The policy of one tag (`tag_policy()`); `backup_tier` only when it is not the default "auto"."""
+    """The policy of one tag (`tag_policy()`); `backup_tier` and `compress` only when not the default "auto"."""
 
     backup_tier: BackupTier
+    compress: Compress
 
 
 class _TagStatusKeys(TypedDict):
@@ -143,6 +159,7 @@ class TagStatus(_TagStatusKeys, total=False):
     `file_bytes` (of `backup_bytes`, those in spill files) only when some are."""
 
     backup_tier: BackupTier
+    compress: Compress
     file_bytes: int
 
 
@@ -165,6 +182,10 @@ class DriverCounts(TypedDict):
     host_allocated: int
     markers: int
     fingerprint_batches: int
+    #: The host codec: ranges compressed (of them stored raw, not shrinking), ranges restored.
+    codec_compressed: int
+    codec_stored_raw: int
+    codec_decompressed: int
     #: Calls so far, per operation name (see FAULT_OPS).
     calls: dict[str, int]
 
@@ -183,6 +204,8 @@ class DeviceInfo(TypedDict):
 class _InfoKeys(TypedDict):
     backend: str
     devices: list[DeviceInfo]
+    #: The codec sleeps compress with (None: backups are raw).
+    codec: Optional[str]
 
 
 class Info(_InfoKeys, total=False):

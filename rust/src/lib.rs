@@ -26,7 +26,7 @@ mod python;
 
 pub use driver::sim::{SimConfig, SimDriver};
 pub use engine::{
-    AllocationInfo, Engine, EngineConfig, PinAheadStatus, Report, Stats, Status, TagPolicy,
-    TagStatus, WakeFill,
+    AllocationInfo, Compress, Engine, EngineConfig, PinAheadStatus, Report, Stats, Status,
+    TagPolicy, TagStatus, WakeFill,
 };
 pub use error::{Error, Result};

@@ -14,7 +14,7 @@ use crate::backups::BackupTier;
 use crate::driver::cuda;
 use crate::driver::sim::{SimConfig, SimDriver, FAULT_ERRORS};
 use crate::driver::Op;
-use crate::engine::{Engine, Report, TagPolicy, WakeFill};
+use crate::engine::{Compress, Engine, Report, TagPolicy, WakeFill};
 use crate::error::Error;
 use crate::{ffi, global};
 
@@ -77,13 +77,14 @@ impl Allocator {
 impl Allocator {
     #[staticmethod]
     #[pyo3(signature = (devices = None, capacity = None, granularity = None, host_memory = None,
-                        host_register_delay = 0.0))]
+                        host_register_delay = 0.0, compress = true))]
     fn simulated(
         devices: Option<&Bound<'_, PyAny>>,
         capacity: Option<&Bound<'_, PyAny>>,
         granularity: Option<&Bound<'_, PyAny>>,
         host_memory: Option<&Bound<'_, PyAny>>,
         #[pyo3(from_py_with = convert::host_register_delay)] host_register_delay: f64,
+        compress: bool,
     ) -> PyResult<Allocator> {
         guard(|| {
             let defaults = SimConfig::default();
@@ -98,6 +99,7 @@ impl Allocator {
                     .map(|o| size_arg(o, "host_memory", true))
                     .transpose()?,
                 host_register_delay: std::time::Duration::from_secs_f64(host_register_delay),
+                compress,
             };
             let sim = Arc::new(SimDriver::new(config)?);
             let engine = Engine::new(sim.clone())?;
@@ -177,6 +179,8 @@ impl Allocator {
                 driver_version = driver_version.or(facts.driver_version);
             }
             d.set_item("devices", &devices)?;
+            // The codec sleeps compress with (None: backups are raw).
+            d.set_item("codec", py.detach(|| self.engine.stats().codec))?;
             if let Some(version) = driver_version {
                 d.set_item("driver_version", version)?;
             }
@@ -577,7 +581,7 @@ impl Allocator {
 
     // ----- tag policies, pause/resume, status (engine/policy.rs, engine/pause.rs) ---------------------------
 
-    #[pyo3(signature = (tag, backup = None, wake_fill = "undefined", backup_tier = "auto"))]
+    #[pyo3(signature = (tag, backup = None, wake_fill = "undefined", backup_tier = "auto", compress = "auto"))]
     fn set_tag_policy(
         &self,
         py: Python<'_>,
@@ -585,6 +589,7 @@ impl Allocator {
         backup: Option<&Bound<'_, PyAny>>,
         #[pyo3(from_py_with = convert::wake_fill)] wake_fill: &'static str,
         backup_tier: &str,
+        #[pyo3(from_py_with = convert::compress)] compress: &'static str,
     ) -> PyResult<()> {
         guard(|| {
             let tag = tag_arg(tag)?;
@@ -601,6 +606,7 @@ impl Allocator {
                 backup,
                 wake_fill: WakeFill::parse(wake_fill)?,
                 backup_tier: BackupTier::parse(backup_tier)?,
+                compress: Compress::parse(compress)?,
             };
             Ok(py.detach(|| self.engine.set_tag_policy(&tag, policy))?)
         })
@@ -693,7 +699,16 @@ fn fingerprint_bytes(
 }
 
 pub(crate) fn fault_ops() -> Vec<&'static str> {
-    Op::ALL.iter().map(|o| o.name()).collect()
+    (Op::ALL.iter().filter(|o| o.fails_its_call()))
+        .map(|o| o.name())
+        .collect()
+}
+
+/// The fault ops whose call succeeds with wrong results instead of failing (`CORRUPTING_FAULT_OPS`).
+pub(crate) fn corrupting_fault_ops() -> Vec<&'static str> {
+    (Op::ALL.iter().filter(|o| !o.fails_its_call()))
+        .map(|o| o.name())
+        .collect()
 }
 
 /// True when libcuda loads and reports at least one VMM-capable device. Never raises.
@@ -733,6 +748,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     guard(|| {
         m.add("__version__", env!("CARGO_PKG_VERSION"))?;
         m.add("FAULT_OPS", fault_ops())?;
+        m.add("CORRUPTING_FAULT_OPS", corrupting_fault_ops())?;
         m.add(
             "FAULT_ERRORS",
             FAULT_ERRORS.iter().map(|(n, _)| *n).collect::<Vec<_>>(),

@@ -4,7 +4,7 @@ mod common;
 
 use std::sync::Arc;
 
-use common::{assert_no_leaks, engine, pattern, GRAN};
+use common::{assert_no_leaks, engine, pattern, raw_engine, GRAN};
 use cumem_rs::driver::sim::POISON;
 use cumem_rs::driver::Op;
 use cumem_rs::{Engine, Error, TagPolicy, WakeFill};
@@ -65,7 +65,7 @@ fn sleep_wake_keeps_addresses_and_offloaded_bytes_and_poisons_the_rest() {
 
 #[test]
 fn cold_sleep_pins_in_cells_that_split_allocations() {
-    let (sim, e) = engine(2, 16 << 20);
+    let (sim, e) = raw_engine(2, 16 << 20);
     e.set_pin_chunk(3 * 4096 * 5).unwrap(); // not a divisor of the granularity: cells end inside allocations
     e.push_tag("weights").unwrap();
     let sizes = [GRAN, 3 * GRAN, 2 * GRAN, GRAN];
@@ -143,7 +143,7 @@ fn selective_wake_and_discard() {
 
 #[test]
 fn free_while_asleep_releases_range_and_backup() {
-    let (sim, e) = engine(1, 16 << 20);
+    let (sim, e) = raw_engine(1, 16 << 20);
     let a = e.malloc(GRAN, 0, 0).unwrap();
     e.set_keep_host_memory(false).unwrap();
     e.sleep(&["default"]).unwrap();
@@ -210,6 +210,7 @@ fn scenario(e: &Engine) -> Result<(), Error> {
         backup: None,
         wake_fill: WakeFill::Zero,
         backup_tier: cumem_rs::backups::BackupTier::Auto,
+        compress: cumem_rs::Compress::Auto,
     };
     e.set_tag_policy("default", zero)?;
     e.push_tag("weights").unwrap();
@@ -363,7 +364,7 @@ fn close_reports_releases_the_driver_still_refuses_and_can_be_retried() {
 fn steady_sleep_of_many_allocations_releases_while_issuing_and_survives_a_failed_copy() {
     const N: usize = 700; // more copies than the issue window (512 queued operations)
     for fail_at in [None, Some(1), Some(400)] {
-        let (sim, e) = engine(1, (2 * N + 8) * GRAN);
+        let (sim, e) = raw_engine(1, (2 * N + 8) * GRAN);
         e.set_retain_backups(false).unwrap(); // every sleep copies: the path under test
         e.set_pin_chunk(10 * GRAN).unwrap(); // 70 cells of 10 copies: the window drains cells while issuing
                                              // A spacer of another tag after each allocation: neighbours would be copied out together (one copy per

@@ -5,7 +5,7 @@
 
 mod common;
 
-use common::{assert_no_leaks, calls, check, engine, fill, GRAN};
+use common::{assert_no_leaks, calls, check, fill, raw_engine, GRAN};
 use cumem_rs::driver::Op;
 
 fn page() -> usize {
@@ -14,7 +14,7 @@ fn page() -> usize {
 
 #[test]
 fn page_pin_chunk_copies_once_per_page_each_way_cold_and_steady() {
-    let (sim, e) = engine(1, 64 << 20);
+    let (sim, e) = raw_engine(1, 64 << 20); // the raw path: counts its copies
     e.set_retain_backups(false).unwrap(); // every sleep copies every byte
     e.set_pin_chunk(page()).unwrap();
     let allocs = fill(&e, &[3 * GRAN, 17 * GRAN, GRAN, 43 * GRAN]);
@@ -43,7 +43,7 @@ fn page_pin_chunk_copies_once_per_page_each_way_cold_and_steady() {
 /// memory for the unpinned page, its data intact.
 #[test]
 fn a_cell_over_pinned_pages_is_refused_and_copied_through_pageable_memory() {
-    let (sim, e) = engine(1, 64 << 20);
+    let (sim, e) = raw_engine(1, 64 << 20); // the raw path: counts its copies
     e.set_retain_backups(false).unwrap();
     e.set_pin_chunk(page()).unwrap();
     let allocs = fill(&e, &[GRAN, 2 * GRAN]);

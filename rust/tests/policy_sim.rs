@@ -60,6 +60,7 @@ const ZERO: TagPolicy = TagPolicy {
     backup: None,
     wake_fill: WakeFill::Zero,
     backup_tier: cumem_rs::backups::BackupTier::Auto,
+    compress: cumem_rs::Compress::Auto,
 };
 
 #[test]
@@ -148,6 +149,7 @@ fn pause_follows_the_backup_policy_and_none_means_every_tag() {
             backup: Some(false),
             wake_fill: WakeFill::Zero,
             backup_tier: cumem_rs::backups::BackupTier::Auto,
+            compress: cumem_rs::Compress::Auto,
         },
     )
     .unwrap();

@@ -159,6 +159,10 @@ impl BackupStore {
         if let Err(e) = self.compact(log) {
             log.record(context, &e);
         }
+        // Compressed backups' blob arenas too (compressed.rs).
+        if let Err(e) = self.compact_packed(log) {
+            log.record(context, &e);
+        }
         self.give_back_unused(log);
     }
 

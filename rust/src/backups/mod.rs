@@ -14,6 +14,7 @@
 
 mod bound;
 mod budget;
+mod compressed;
 mod file_tier;
 mod pin_ahead;
 mod retain;
@@ -31,6 +32,8 @@ use crate::host::staging::StagingRing;
 pub use crate::host::staging::DEFAULT_STAGING_BYTES;
 pub use bound::SleepArena;
 pub use budget::BUDGET_ENV;
+use compressed::Packed;
+pub use compressed::{PackJob, PackedSleep};
 pub use file_tier::{BackupTier, FileJob, FileRewrite, FileRewrites, FileSleep};
 use pin_ahead::HostRoom;
 pub use pin_ahead::PinAheadStatus;
@@ -46,7 +49,8 @@ pub const DEFAULT_PIN_CHUNK: usize = 512 << 20;
 pub const THREAD_REFUSED: &str = "starting a worker thread (its work ran on the calling thread)";
 
 /// Where one allocation's backed-up contents are: `len` bytes at `offset` of a shared host arena, or of an
-/// unlinked spill file (file_tier.rs).
+/// unlinked spill file (file_tier.rs), or compressed: a blob per chunk in host arenas (compressed.rs). `len` is
+/// always the raw length; `stored_len` the host or file bytes it takes.
 #[derive(Clone)]
 pub struct Backup {
     place: Place,
@@ -60,6 +64,8 @@ enum Place {
         offset: usize,
     },
     File(Arc<FileRegion>),
+    /// Compressed chunks in host arenas; shared by the clones (the asleep set's, a retained one's).
+    Packed(Arc<Packed>),
 }
 
 /// A backup's bytes in a spill file. Shared by the clones of its `Backup` (the asleep set's, a retained one's, a
@@ -112,14 +118,32 @@ impl Backup {
 
     /// Whether it lies in host memory (else in a spill file).
     pub fn in_host(&self) -> bool {
-        matches!(self.place, Place::Arena { .. })
+        !matches!(self.place, Place::File(_))
     }
 
-    /// (arena, offset) of a host backup.
+    /// Whether it is compressed (compressed.rs).
+    pub fn is_compressed(&self) -> bool {
+        self.packed().is_some()
+    }
+
+    /// Bytes it takes where it lies: its blobs' when compressed, else `len`.
+    pub fn stored_len(&self) -> usize {
+        self.packed().map_or(self.len, |p| p.stored_bytes())
+    }
+
+    /// (arena, offset) of a raw host backup.
     fn arena(&self) -> Option<(&Arc<HostBuffer>, usize)> {
         match &self.place {
             Place::Arena { arena, offset } => Some((arena, *offset)),
-            Place::File { .. } => None,
+            Place::File(_) | Place::Packed(_) => None,
+        }
+    }
+
+    /// The chunks of a compressed backup.
+    fn packed(&self) -> Option<&Arc<Packed>> {
+        match &self.place {
+            Place::Packed(p) => Some(p),
+            Place::Arena { .. } | Place::File(_) => None,
         }
     }
 
@@ -127,7 +151,7 @@ impl Backup {
     fn file(&self) -> Option<(&Arc<SpillFile>, u64)> {
         match &self.place {
             Place::File(r) => Some((&r.file, r.offset)),
-            Place::Arena { .. } => None,
+            Place::Arena { .. } | Place::Packed(_) => None,
         }
     }
 
@@ -139,6 +163,7 @@ impl Backup {
                 arena.read_at(offset + at, out);
                 Ok(())
             }
+            Place::Packed(p) => p.read_at(self.len, at, out),
             // Block by block into aligned buffers: the file may be open with O_DIRECT (a diagnostics path).
             Place::File(r) => {
                 let (file, offset) = (&r.file, &r.offset);
@@ -205,6 +230,8 @@ pub struct StoreConfig {
     pub host_budget: Option<usize>,
     /// The spill directory of the file tier (file_tier.rs), if any.
     pub spill_dir: Option<std::path::PathBuf>,
+    /// Compress host backups where the driver has a codec (compressed.rs).
+    pub compress: bool,
 }
 
 pub struct BackupStore {
@@ -234,6 +261,11 @@ pub struct BackupStore {
     file_bytes: usize,
     /// The spill files backups may still lie in, for `punch_released` (file_tier.rs).
     files: Vec<std::sync::Weak<SpillFile>>,
+    /// Compression (compressed.rs): on, and the stored/raw ratio the last compressed sleep measured.
+    compress: bool,
+    ratio_guess: f64,
+    /// Raw bytes of the asleep backups in host memory (`asleep_bytes` counts the bytes they take).
+    asleep_raw: usize,
 }
 
 /// Record what pinning absorbed: registrations the driver's own allocation served, and worker threads that could
@@ -283,6 +315,9 @@ impl BackupStore {
                 cap: config.host_limit,
             },
             budget: config.host_budget,
+            compress: config.compress,
+            ratio_guess: compressed::FIRST_RATIO_GUESS,
+            asleep_raw: 0,
             driver,
         }
     }
@@ -297,17 +332,22 @@ impl BackupStore {
         }
     }
 
-    /// Add (`add`) or remove `b` from the bytes asleep in its tier.
+    /// Add (`add`) or remove `b` from the bytes asleep in its tier (host: the bytes it takes, and its raw bytes).
     fn count(&mut self, b: &Backup, add: bool) {
-        let n = if b.in_host() {
-            &mut self.asleep_bytes
+        let (n, len) = if b.in_host() {
+            if add {
+                self.asleep_raw += b.len;
+            } else {
+                self.asleep_raw -= b.len;
+            }
+            (&mut self.asleep_bytes, b.stored_len())
         } else {
-            &mut self.file_bytes
+            (&mut self.file_bytes, b.len)
         };
         if add {
-            *n += b.len;
+            *n += len;
         } else {
-            *n -= b.len;
+            *n -= len;
         }
     }
 
@@ -467,9 +507,14 @@ impl BackupStore {
         self.host.cached_bytes()
     }
 
-    /// Bytes of the backups of asleep allocations.
+    /// Host bytes the backups of asleep allocations take (compressed ones: their blobs).
     pub fn asleep_bytes(&self) -> usize {
         self.asleep_bytes
+    }
+
+    /// Raw bytes of the backups of asleep allocations in host memory.
+    pub fn asleep_raw_bytes(&self) -> usize {
+        self.asleep_raw
     }
 
     /// Whether cached host memory is kept after a wake.
@@ -522,6 +567,7 @@ mod tests {
             host_limit: None,
             host_budget: None,
             spill_dir: None,
+            compress: false,
         };
         (sim.clone(), BackupStore::new(sim, config))
     }

@@ -40,15 +40,15 @@ type StreamPoint = (i32, Option<u64>);
 /// The retained backups, the prints of every backup, and the knobs that decide whether wakes retain.
 pub(super) struct Retention {
     /// Backups kept bound to awake allocations after the wake that restored them.
-    retained: HashMap<DevPtr, Backup>,
+    pub(super) retained: HashMap<DevPtr, Backup>,
     /// Chunk fingerprints of backups (of asleep allocations, and of retained ones).
     prints: HashMap<DevPtr, Prints>,
     /// Policy: keep backups across wake (`set_retain_backups`).
     on: bool,
     /// Set when the fingerprint kernel cannot run here: retention stays off.
-    unavailable: bool,
+    pub(super) unavailable: bool,
     /// Bytes per fingerprinted chunk.
-    chunk: usize,
+    pub(super) chunk: usize,
 }
 
 impl Retention {
@@ -66,7 +66,7 @@ impl Retention {
     pub(super) fn retained_bytes(&self) -> usize {
         (self.retained.values())
             .filter(|b| b.in_host())
-            .map(Backup::len)
+            .map(Backup::stored_len)
             .sum()
     }
 
@@ -131,6 +131,15 @@ fn wait_marker_or_stream(driver: &dyn Driver, device: i32, marker: Option<u64>) 
 }
 
 impl SleepPrints {
+    /// An allocation that sleeps with a compressed backup (compressed.rs, which took its prints `prints`): its
+    /// retained backup is dropped and its prints kept like the others' (`retaining`: only while wakes retain).
+    pub fn add_packed(&mut self, addr: DevPtr, prints: Vec<Fingerprint>, retaining: bool) {
+        self.backed.push(addr);
+        if retaining {
+            self.now.insert(addr, prints);
+        }
+    }
+
     /// Wait for the fingerprint markers `issue_changed_chunks` did not get to (none in the usual order).
     pub fn wait_leftover_markers(&mut self, driver: &dyn Driver) -> Result<()> {
         let mut result = Ok(());

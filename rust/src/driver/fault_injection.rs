@@ -8,7 +8,8 @@ use std::collections::HashMap;
 
 use parking_lot::Mutex;
 
-use super::{DevPtr, DeviceInfo, Driver, HostPtr, Op, PhysHandle};
+use super::codec::{DataKind, DeviceCodec, PlaceFn, RestoreItem, Stored};
+use super::{copy_from_slice, copy_to_slice, DevPtr, DeviceInfo, Driver, HostPtr, Op, PhysHandle};
 use crate::error::{cuda_code, Error, Result};
 use crate::fingerprint::Fingerprint;
 
@@ -233,6 +234,12 @@ impl<D: Driver> Driver for FaultInjector<D> {
         self.inner.own_device_bytes(device)
     }
 
+    /// The inner driver's codec, behind this injector (its calls counted and failed as `Op::Compress`,
+    /// `Op::Decompress` and `Op::CorruptDecompress`).
+    fn codec(&self) -> Option<&dyn DeviceCodec> {
+        self.inner.codec().map(|_| self as &dyn DeviceCodec)
+    }
+
     unsafe fn host_register(&self, ptr: HostPtr, size: usize) -> Result<()> {
         self.enter(Op::HostRegister)?;
         // SAFETY: forwarded under the caller's contract of this unsafe fn.
@@ -262,5 +269,53 @@ impl<D: Driver> Driver for FaultInjector<D> {
 
     fn host_available(&self) -> Option<usize> {
         self.inner.host_available()
+    }
+}
+
+/// The codec of the driver inside, with faults: `Op::Compress` and `Op::Decompress` fail their call;
+/// `Op::CorruptDecompress` lets a decompression succeed and then flips a byte of what it restored, so that
+/// tests reach the wake's verification against the sleep's fingerprints.
+impl<D: Driver> DeviceCodec for FaultInjector<D> {
+    fn describe(&self) -> String {
+        self.inner
+            .codec()
+            .map_or_else(String::new, |c| c.describe())
+    }
+
+    fn own_device_bytes(&self, device: i32) -> usize {
+        self.inner.codec().map_or(0, |c| c.own_device_bytes(device))
+    }
+
+    fn compress_to_host(
+        &self,
+        device: i32,
+        ranges: &[(DevPtr, usize)],
+        kind: DataKind,
+        place: &mut PlaceFn<'_>,
+    ) -> Result<Vec<Stored>> {
+        self.enter(Op::Compress)?;
+        let codec = self
+            .inner
+            .codec()
+            .expect("offered only with the inner codec");
+        codec.compress_to_host(device, ranges, kind, place)
+    }
+
+    fn decompress_from_host(&self, device: i32, items: &[RestoreItem]) -> Result<()> {
+        self.enter(Op::Decompress)?;
+        let codec = self
+            .inner
+            .codec()
+            .expect("offered only with the inner codec");
+        codec.decompress_from_host(device, items)?;
+        if self.enter(Op::CorruptDecompress).is_err() {
+            if let Some(first) = items.first().filter(|it| it.raw_len > 0) {
+                let mut byte = [0u8];
+                copy_to_slice(&self.inner, device, first.dst, &mut byte)?;
+                byte[0] ^= 0x5A;
+                copy_from_slice(&self.inner, device, first.dst, &byte)?;
+            }
+        }
+        Ok(())
     }
 }

@@ -4,8 +4,9 @@
 //!
 //! Imports inside this folder go one way: `cuda` -> `cuda_fingerprint` -> `cuda_check`, `cuda` -> `cuda_check`,
 //! `cuda` -> `cuda_codec` (the nvCOMP staging ring, with its `blob`, `sleep` and `wake` submodules) -> `nvcomp`,
-//! `codec_round_trip` (a diagnostic over any driver's codec), `sim` -> `fault_injection`, and every one of them -> this module; `codec` (the
-//! compression trait) and `nvcomp` (the nvCOMP library, opened at run time) are leaves next to this module.
+//! `codec_round_trip` (a diagnostic over any driver's codec), `sim` -> `fault_injection`, `sim` -> `sim/codec`
+//! (the emulator's codec), and every one of them -> this module; `codec` (the compression trait) and `nvcomp`
+//! (the nvCOMP library, opened at run time) are leaves next to this module.
 //!
 //! Addresses are `u64` device virtual addresses. Physical memory is an opaque `PhysHandle`. Host memory given
 //! to the copy functions is described by `HostPtr`s that point into buffers owned by `host/`; the engine keeps
@@ -43,6 +44,7 @@ mod cuda_fingerprint;
 pub mod fault_injection;
 pub mod nvcomp;
 pub mod sim;
+pub mod sim_codec;
 
 use crate::error::Result;
 use crate::fingerprint::Fingerprint;
@@ -97,10 +99,15 @@ pub enum Op {
     Fingerprint,
     /// Not a driver call: the allocator starting a worker thread (see `Driver::thread_spawn`).
     ThreadSpawn,
+    /// The codec's calls (`codec::DeviceCodec`): a sleep's compression, a wake's decompression, and a
+    /// decompression that succeeds with wrong bytes (fault injection only: what the wake's verify must catch).
+    Compress,
+    Decompress,
+    CorruptDecompress,
 }
 
 impl Op {
-    pub const ALL: [Op; 18] = [
+    pub const ALL: [Op; 21] = [
         Op::Reserve,
         Op::FreeRange,
         Op::Create,
@@ -119,6 +126,9 @@ impl Op {
         Op::MemsetZero,
         Op::Fingerprint,
         Op::ThreadSpawn,
+        Op::Compress,
+        Op::Decompress,
+        Op::CorruptDecompress,
     ];
 
     pub fn name(self) -> &'static str {
@@ -141,7 +151,16 @@ impl Op {
             Op::MemsetZero => "memset_zero",
             Op::Fingerprint => "fingerprint",
             Op::ThreadSpawn => "thread_spawn",
+            Op::Compress => "compress",
+            Op::Decompress => "decompress",
+            Op::CorruptDecompress => "decompress_corrupt",
         }
+    }
+
+    /// Whether an injected fault makes the call fail (all but `CorruptDecompress`, which lets its call succeed
+    /// with wrong bytes: what the wake's verification must catch, not an error of the driver's).
+    pub fn fails_its_call(self) -> bool {
+        self != Op::CorruptDecompress
     }
 
     pub fn parse(name: &str) -> Option<Op> {

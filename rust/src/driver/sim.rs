@@ -18,15 +18,19 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::ffi::c_void;
+use std::sync::atomic::Ordering::Relaxed;
 
 use parking_lot::Mutex;
 use rustix::mm::{mmap, mmap_anonymous, mprotect, munmap, MapFlags, MprotectFlags, ProtFlags};
 
+use super::codec::DeviceCodec;
 use super::fault_injection::FaultInjector;
+use super::sim_codec::SimCodecCounts;
 use super::{DevPtr, DeviceInfo, Driver, HostPtr, Op, PhysHandle};
 use crate::error::{cuda_code, Error, Result};
 use crate::fingerprint::{self, Fingerprint};
 
+mod codec;
 mod host_pins;
 mod slices;
 #[cfg(test)]
@@ -54,6 +58,9 @@ pub struct SimConfig {
     /// Time each `host_register` takes (spent outside the driver's lock), so that tests can race a sleep
     /// against background pinning at a chosen stage.
     pub host_register_delay: std::time::Duration,
+    /// Offer the host codec (`sim_codec.rs`) for compressed backups; off: every backup is raw, as on a machine
+    /// without nvCOMP.
+    pub compress: bool,
 }
 
 impl Default for SimConfig {
@@ -64,6 +71,7 @@ impl Default for SimConfig {
             granularity: 2 << 20,
             host_memory: None,
             host_register_delay: std::time::Duration::ZERO,
+            compress: true,
         }
     }
 }
@@ -119,6 +127,10 @@ pub struct SimCounts {
     pub markers: usize,
     /// Fingerprint batches queued and not taken (each must be taken, like markers waited for).
     pub fingerprint_batches: usize,
+    /// What the host codec did (`sim_codec::SimCodecCounts`): ranges compressed, of them stored raw, restored.
+    pub codec_compressed: u64,
+    pub codec_stored_raw: u64,
+    pub codec_decompressed: u64,
     /// Calls per operation (every `Op`), as the fault injector counted them; empty from `Emulator::counts`.
     pub calls: Vec<(&'static str, u64)>,
 }
@@ -127,6 +139,7 @@ pub struct SimCounts {
 pub struct Emulator {
     config: SimConfig,
     state: Mutex<State>,
+    codec_counts: SimCodecCounts,
 }
 
 /// The simulated driver: the emulation inside the fault injector.
@@ -190,7 +203,13 @@ impl Emulator {
         Ok(Emulator {
             config,
             state: Mutex::new(state),
+            codec_counts: SimCodecCounts::default(),
         })
+    }
+
+    /// What the host codec did so far.
+    pub fn codec_counts(&self) -> &SimCodecCounts {
+        &self.codec_counts
     }
 
     /// Live resources (`calls` is left empty: the fault injector counts calls).
@@ -211,6 +230,9 @@ impl Emulator {
             host_allocated,
             markers: st.markers.len(),
             fingerprint_batches: st.fingerprints.len(),
+            codec_compressed: self.codec_counts.compressed.load(Relaxed),
+            codec_stored_raw: self.codec_counts.stored_raw.load(Relaxed),
+            codec_decompressed: self.codec_counts.decompressed.load(Relaxed),
             calls: Vec::new(),
         }
     }
@@ -747,6 +769,10 @@ impl Driver for Emulator {
         })?;
         // SAFETY: the mapping was made by host_alloc with this size and its owner gave it back.
         unsafe { munmap(ptr.0 as *mut c_void, size) }.map_err(|e| os_err(Op::HostAlloc, e))
+    }
+
+    fn codec(&self) -> Option<&dyn DeviceCodec> {
+        self.config.compress.then_some(self as &dyn DeviceCodec)
     }
 
     fn host_available(&self) -> Option<usize> {

@@ -13,6 +13,8 @@ use super::group::DEFAULT_GROUP_BYTES;
 pub const RETAIN_ENV: &str = "CUMEM_RS_RETAIN_BACKUPS";
 /// `CUMEM_RS_WAKE_GROUP_BYTES`: the largest wake group, bytes with `K`/`M`/`G` suffixes; `0` turns groups off.
 pub const WAKE_GROUP_ENV: &str = "CUMEM_RS_WAKE_GROUP_BYTES";
+/// `CUMEM_RS_COMPRESS`: `0` turns compressed backups off (default on where the driver has a codec).
+pub const COMPRESS_ENV: &str = "CUMEM_RS_COMPRESS";
 /// `CUMEM_RS_HOST_MEMORY_LIMIT`: a cap on the host memory backups may take (see `crate::host_guard`).
 pub use crate::host_guard::LIMIT_ENV as HOST_MEMORY_LIMIT_ENV;
 
@@ -32,6 +34,8 @@ pub struct EngineConfig {
     pub host_budget: Option<usize>,
     /// The file tier's spill directory (`CUMEM_RS_SPILL_DIR`); one that cannot be used is ignored with a warning.
     pub spill_dir: Option<std::path::PathBuf>,
+    /// Compress host backups where the driver has a codec (`CUMEM_RS_COMPRESS=0`: off).
+    pub compress: bool,
 }
 
 impl Default for EngineConfig {
@@ -44,6 +48,7 @@ impl Default for EngineConfig {
             host_memory_limit: None,
             host_budget: None,
             spill_dir: None,
+            compress: true,
         }
     }
 }
@@ -83,6 +88,9 @@ impl EngineConfig {
                 log::warn!("{HOST_BUDGET_ENV}={v:?} is not a byte count; ignored");
             }
         }
+        if let Some(v) = var(COMPRESS_ENV) {
+            c.compress = v != "0";
+        }
         c.spill_dir = var(SPILL_DIR_ENV).filter(|v| !v.is_empty()).map(Into::into);
         c
     }
@@ -95,6 +103,7 @@ impl EngineConfig {
             host_limit: self.host_memory_limit,
             host_budget: self.host_budget,
             spill_dir: self.spill_dir.clone(),
+            compress: self.compress,
         }
     }
 }
@@ -137,5 +146,8 @@ mod tests {
             Some("/tmp".into())
         );
         assert_eq!(with(&[(SPILL_DIR_ENV, "")]).spill_dir, None);
+        assert!(with(&[]).compress);
+        assert!(!with(&[(COMPRESS_ENV, "0")]).compress);
+        assert!(with(&[(COMPRESS_ENV, "1")]).compress);
     }
 }

@@ -18,6 +18,7 @@
 //! updated (parking_lot's mutex does not poison by itself).
 
 mod alloc;
+mod compress;
 mod config;
 mod group;
 mod host;
@@ -46,10 +47,10 @@ use crate::registry::{Registry, State};
 use crate::tags;
 
 pub use crate::backups::PinAheadStatus;
-pub use config::EngineConfig;
+pub use config::{EngineConfig, COMPRESS_ENV};
 use pending::PendingReleases;
 use policy::Policies;
-pub use policy::{BackupTier, TagPolicy, WakeFill};
+pub use policy::{BackupTier, Compress, TagPolicy, WakeFill};
 pub use types::{AllocationInfo, Counters, Report, Stats, Status, TagStatus};
 
 static NEXT_ENGINE_ID: AtomicU64 = AtomicU64::new(1);

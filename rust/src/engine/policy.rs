@@ -13,11 +13,17 @@
 //! - `backup_tier`: where its backups go: "host" (pinned host memory), "file" (the spill directory) or "auto"
 //!   (default: host memory up to the host budget, files for the rest; backups/file_tier.rs says why).
 //!
+//! - `compress`: whether (and in which mode) its host backups are compressed where the driver has a codec
+//!   (`backups/compressed.rs`): "auto" (default: the 16-bit mode, best for the bf16/fp16 weights and KV caches
+//!   that sleep; other data costs ratio, never correctness, and what does not shrink is stored raw), "off",
+//!   "bits16", "bits8" (fp8) or "bytes" (any data).
+//!
 //! Policies live in the engine, keyed by tag; they outlive the tag's allocations and apply to later ones.
 
 use std::collections::HashMap;
 
 pub use crate::backups::BackupTier;
+use crate::driver::codec::DataKind;
 use crate::error::{Error, Result};
 use crate::tags::DEFAULT_TAG;
 
@@ -53,6 +59,62 @@ impl WakeFill {
     }
 }
 
+/// Whether and how a tag's host backups are compressed (see the module notes).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum Compress {
+    #[default]
+    Auto,
+    Off,
+    Bits16,
+    Bits8,
+    Bytes,
+}
+
+impl Compress {
+    pub const NAMES: [&'static str; 5] = ["auto", "off", "bits16", "bits8", "bytes"];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Compress::Auto => "auto",
+            Compress::Off => "off",
+            Compress::Bits16 => "bits16",
+            Compress::Bits8 => "bits8",
+            Compress::Bytes => "bytes",
+        }
+    }
+
+    pub fn parse(name: &str) -> Result<Compress> {
+        Compress::NAMES
+            .iter()
+            .position(|n| *n == name)
+            .map(|i| {
+                [
+                    Compress::Auto,
+                    Compress::Off,
+                    Compress::Bits16,
+                    Compress::Bits8,
+                    Compress::Bytes,
+                ][i]
+            })
+            .ok_or_else(|| {
+                Error::invalid(format!(
+                    "compress must be one of {:?}, got {name:?}",
+                    Compress::NAMES
+                ))
+            })
+    }
+
+    /// The codec's mode for this policy; None: not compressed.
+    pub fn kind(self) -> Option<DataKind> {
+        match self {
+            Compress::Off => None,
+            Compress::Auto | Compress::Bits16 => Some(DataKind::Bits16),
+            Compress::Bits8 => Some(DataKind::Bits8),
+            Compress::Bytes => Some(DataKind::Bytes),
+        }
+    }
+}
+
 /// The policy of one tag. The default (no backup choice, undefined wake fill) is what a tag without one has.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct TagPolicy {
@@ -61,6 +123,8 @@ pub struct TagPolicy {
     pub wake_fill: WakeFill,
     /// Where its backups go: host memory, a spill file, or host up to the budget then files (backups/file_tier.rs).
     pub backup_tier: BackupTier,
+    /// Whether and how its host backups are compressed.
+    pub compress: Compress,
 }
 
 /// Policies by tag; a tag without an entry has the default policy.
@@ -94,6 +158,11 @@ impl Policies {
         self.get(tag).backup_tier
     }
 
+    /// The codec mode of `tag`'s host backups; None: raw.
+    pub(super) fn compress_kind(&self, tag: &str) -> Option<DataKind> {
+        self.get(tag).compress.kind()
+    }
+
     pub(super) fn zero_on_wake(&self, tag: &str) -> bool {
         self.get(tag).wake_fill == WakeFill::Zero
     }
@@ -123,6 +192,7 @@ mod tests {
             backup: Some(false),
             wake_fill: WakeFill::Zero,
             backup_tier: BackupTier::Auto,
+            compress: Compress::Off,
         };
         p.set("kv_cache", no_backup_zero);
         p.set(DEFAULT_TAG, no_backup_zero);
@@ -133,5 +203,9 @@ mod tests {
         assert_eq!(p.tags().collect::<Vec<_>>(), vec![DEFAULT_TAG]);
         assert_eq!(WakeFill::parse("zero"), Ok(WakeFill::Zero));
         assert!(WakeFill::parse("ones").is_err());
+        assert_eq!(Compress::parse("bits8"), Ok(Compress::Bits8));
+        assert_eq!(Compress::Auto.kind(), Some(DataKind::Bits16));
+        assert_eq!(Compress::Off.kind(), None);
+        assert!(Compress::parse("zip").is_err());
     }
 }

@@ -37,6 +37,7 @@ impl Engine {
         inner.backups.collect_finished_pin_ahead(&mut inner.log);
         let c = &inner.counters;
         let asleep = || inner.reg.iter().filter(|a| !a.is_awake());
+        let compressed = inner.backups.compressed_asleep();
         Stats {
             live_allocations: inner.reg.len(),
             asleep_allocations: asleep().count(),
@@ -46,8 +47,16 @@ impl Engine {
             host_backup_bytes: inner.backups.arena_bytes(),
             host_cached_bytes: inner.backups.cached_bytes(),
             host_retained_bytes: inner.backups.retained_bytes(),
-            host_tier_bytes: inner.backups.asleep_bytes(),
+            host_tier_bytes: inner.backups.asleep_raw_bytes(),
             file_tier_bytes: inner.backups.file_bytes(),
+            host_tier_stored_bytes: inner.backups.asleep_bytes(),
+            compressed_bytes: compressed.0,
+            compressed_raw_bytes: compressed.1,
+            compression_ratio: match compressed {
+                (_, 0) => 1.0,
+                (s, r) => s as f64 / r as f64,
+            },
+            codec: inner.backups.codec_description(),
             staging_bytes: inner.backups.staging_held(),
             retained_allocations: inner.backups.retained_count(),
             mallocs: c.mallocs,
@@ -136,20 +145,26 @@ impl Engine {
 
     /// Bytes of the arena a sleep offloading `tags` would need now: their awake allocations, except those of
     /// tags whose policy is not to back up or backs up to files, and those with a retained backup (which need no
-    /// new arena). What to
-    /// pin ahead when the allocations of those tags have been made.
+    /// new arena); those of tags that compress count what they are estimated to take stored (the ratio of the
+    /// last compressed sleep). What to pin ahead when the allocations of those tags have been made.
     pub fn backup_bytes_of<S: AsRef<str>>(&self, tags: &[S]) -> Result<usize> {
         let wanted = tag_set(tags);
         let inner = self.lock_open()?;
-        Ok((inner.reg.iter())
-            .filter(|a| a.is_awake() && wanted.contains(&*a.tag))
-            .filter(|a| {
-                inner.policies.pause_backup(&a.tag)
-                    && inner.policies.backup_tier(&a.tag) != BackupTier::File
-                    && !inner.backups.is_retained(a.addr)
-            })
-            .map(|a| a.size)
-            .sum())
+        let compressing = inner.backups.compressing();
+        let (mut raw, mut packed) = (0, 0);
+        for a in (inner.reg.iter()).filter(|a| a.is_awake() && wanted.contains(&*a.tag)) {
+            if inner.policies.pause_backup(&a.tag)
+                && inner.policies.backup_tier(&a.tag) != BackupTier::File
+                && !inner.backups.is_retained(a.addr)
+            {
+                if compressing && inner.policies.compress_kind(&a.tag).is_some() {
+                    packed += a.size;
+                } else {
+                    raw += a.size;
+                }
+            }
+        }
+        Ok(raw + inner.backups.estimate_stored(packed))
     }
 
     // ----- policies ---------------------------------------------------------------------------------------

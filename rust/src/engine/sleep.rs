@@ -93,6 +93,8 @@ impl Engine {
             (inner.backups).retained_in_other_tier(*a, inner.policies.backup_tier(tag))
         });
         retained = kept;
+        // Allocations with a retained compressed backup: `pack` (below) compresses their changed chunks.
+        let packed_retained = inner.backups.split_packed(&mut retained);
         if !retier.is_empty() {
             inner.backups.drop_retained(&retier);
             backed.extend(retier);
@@ -108,6 +110,10 @@ impl Engine {
             })
             .collect();
         let (backed, spill) = inner.backups.plan_tiers(&wanted, &mut inner.log)?;
+
+        // 0b. Compress the host backups of tags that compress (complete when it returns; nothing released yet;
+        //     on failure they are copied raw below).
+        let (backed, packed) = self.pack_backups(inner, backed, packed_retained);
 
         // 1. The host arena for the backups made now (with step 0, the only steps that may still return early).
         let (jobs, total) = self.sleep_jobs(inner, &backed);
@@ -153,12 +159,13 @@ impl Engine {
             first_err.get_or_insert(e);
         }
 
-        // 5. While the copies run, release what needs no backup.
+        // 5. While the copies run, release what needs no backup, and what has its compressed backup already.
         for addr in bare {
             if let Err(e) = self.release_to_sleep(inner, addr, None, &mut report) {
                 first_err.get_or_insert(e);
             }
         }
+        self.release_packed(inner, packed, &mut prints, &mut report, &mut first_err);
 
         // 6. As the remaining cells finish, release the allocations whose backup is complete.
         if let (Some(rel), Some(flight)) = (copies.cells.as_mut(), copies.issued.as_mut()) {

@@ -27,6 +27,10 @@ pub struct Report {
     pub read_bytes: usize,
     /// Seconds of the file tier's pipeline (its rate: written or read bytes over these).
     pub file_seconds: f64,
+    /// Compressed backups this call made (sleep) or restored (wake): their raw bytes, and the host bytes their
+    /// blobs take (`stored_bytes / raw_bytes` is the ratio). Raw backups count in neither.
+    pub raw_bytes: usize,
+    pub stored_bytes: usize,
     pub seconds: f64,
 }
 
@@ -53,9 +57,20 @@ pub struct Stats {
     pub host_cached_bytes: usize,
     /// Host bytes of backups kept bound to awake allocations (retained backups).
     pub host_retained_bytes: usize,
-    /// Bytes of the backups of asleep allocations per tier: pinned host memory, spill files.
+    /// Bytes of the backups of asleep allocations per tier (raw: the allocations' bytes): pinned host memory,
+    /// spill files.
     pub host_tier_bytes: usize,
     pub file_tier_bytes: usize,
+    /// The host bytes the host tier's backups take as stored (compressed ones count their blobs; files hold
+    /// raw bytes, so their stored bytes are `file_tier_bytes`).
+    pub host_tier_stored_bytes: usize,
+    /// The compressed ones among them: their host bytes, their raw bytes, and the ratio (stored / raw; 1.0
+    /// with none).
+    pub compressed_bytes: usize,
+    pub compressed_raw_bytes: usize,
+    pub compression_ratio: f64,
+    /// The codec sleeps compress with (`DeviceCodec::describe`); None: backups are raw (no codec, or off).
+    pub codec: Option<String>,
     /// Pinned bytes of the file tier's staging ring (outside the host budget; 0 until the file tier is used).
     pub staging_bytes: usize,
     pub retained_allocations: usize,

@@ -119,6 +119,15 @@ impl Engine {
             report.read_bytes += read;
             report.copied_bytes += read;
         }
+        // Compressed backups: decompressed into their (mapped) allocations and verified against the sleep's
+        // fingerprints; a codec error or a mismatch fails the wake like a failed copy.
+        let placed: Vec<(i32, DevPtr)> = (targets[..backed].iter())
+            .map(|a| (inner.reg.get(*a).expect("selected").device, *a))
+            .collect();
+        let (raw, stored) = inner.backups.restore_packed(&placed, &inner.reg)?;
+        report.copied_bytes += raw;
+        report.raw_bytes += raw;
+        report.stored_bytes += stored;
         for run in &bare_runs {
             mapped.push(self.map_run(inner, run)?);
         }

@@ -12,7 +12,7 @@ use pyo3::types::{PyBool, PyBytes, PyFloat, PyInt, PyString};
 use super::errors::{type_error, value_error, CumemOutOfMemoryError};
 use crate::driver::sim::FAULT_ERRORS;
 use crate::driver::Op;
-use crate::engine::WakeFill;
+use crate::engine::{Compress, WakeFill};
 
 const MAX_U64: i128 = u64::MAX as i128;
 
@@ -215,8 +215,9 @@ pub(super) fn fault_op(obj: &Bound<'_, PyAny>) -> PyResult<Op> {
     let name = str_arg(obj, "op")?;
     Op::parse(&name).ok_or_else(|| {
         value_error(format!(
-            "unknown fault op {name:?}; expected one of {:?}",
-            super::fault_ops()
+            "unknown fault op {name:?}; expected one of {:?} or {:?}",
+            super::fault_ops(),
+            super::corrupting_fault_ops()
         ))
     })
 }
@@ -257,6 +258,11 @@ pub(super) fn fault_error(obj: &Bound<'_, PyAny>) -> PyResult<&'static str> {
 /// A wake fill name, checked (the engine parses it again from the name returned).
 pub(super) fn wake_fill(obj: &Bound<'_, PyAny>) -> PyResult<&'static str> {
     Ok(WakeFill::parse(&str_arg(obj, "wake_fill")?)?.name())
+}
+
+/// A compress policy name, checked (the engine parses it again from the name returned).
+pub(super) fn compress(obj: &Bound<'_, PyAny>) -> PyResult<&'static str> {
+    Ok(Compress::parse(&str_arg(obj, "compress")?)?.name())
 }
 
 /// Seconds, checked to be a float in 0..=60 (the default stays a literal, so the signature shows it).

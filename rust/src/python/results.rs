@@ -8,6 +8,7 @@ use pyo3::types::{PyDict, PyList};
 
 use crate::backups::BackupTier;
 use crate::driver::sim::SimCounts;
+use crate::engine::Compress;
 use crate::{AllocationInfo, PinAheadStatus, Report, Stats, Status, TagPolicy, TagStatus};
 
 /// A dict from `"key" => value` pairs, in order.
@@ -43,6 +44,8 @@ pub(super) fn report_dict<'py>(py: Python<'py>, r: &Report) -> PyResult<Bound<'p
         "read_bytes" => r.read_bytes,
         "file_seconds" => r.file_seconds,
         "file_gb_per_s" => file_gb_per_s,
+        "raw_bytes" => r.raw_bytes,
+        "stored_bytes" => r.stored_bytes,
         "seconds" => r.seconds,
         "gb_per_s" => gb_per_s,
     }))
@@ -55,11 +58,14 @@ fn optional_report<'py>(
     r.map(|r| report_dict(py, r)).transpose()
 }
 
-/// `backup_tier` added to a policy's dict when it is not the default ("auto"): dicts of tags that never chose a
-/// tier stay as they were before the file tier existed.
+/// `backup_tier` and `compress` added to a policy's dict when they are not the default ("auto"): dicts of tags
+/// that never chose one stay as they were before the file tier and the codec existed.
 fn with_tier<'py>(d: Bound<'py, PyDict>, p: &TagPolicy) -> PyResult<Bound<'py, PyDict>> {
     if p.backup_tier != BackupTier::Auto {
         d.set_item("backup_tier", p.backup_tier.name())?;
+    }
+    if p.compress != Compress::Auto {
+        d.set_item("compress", p.compress.name())?;
     }
     Ok(d)
 }
@@ -140,6 +146,11 @@ pub(super) fn stats_dict<'py>(py: Python<'py>, s: &Stats) -> PyResult<Bound<'py,
         "host_retained_bytes" => s.host_retained_bytes,
         "host_tier_bytes" => s.host_tier_bytes,
         "file_tier_bytes" => s.file_tier_bytes,
+        "host_tier_stored_bytes" => s.host_tier_stored_bytes,
+        "compressed_bytes" => s.compressed_bytes,
+        "compressed_raw_bytes" => s.compressed_raw_bytes,
+        "compression_ratio" => s.compression_ratio,
+        "codec" => s.codec.as_deref(),
         "staging_bytes" => s.staging_bytes,
         "retained_allocations" => s.retained_allocations,
         "mallocs" => s.mallocs,
@@ -186,6 +197,9 @@ pub(super) fn driver_counts_dict<'py>(
         "host_allocated" => c.host_allocated,
         "markers" => c.markers,
         "fingerprint_batches" => c.fingerprint_batches,
+        "codec_compressed" => c.codec_compressed,
+        "codec_stored_raw" => c.codec_stored_raw,
+        "codec_decompressed" => c.codec_decompressed,
         "calls" => calls,
     }))
 }

@@ -10,11 +10,22 @@ use cumem_rs::{Engine, SimConfig, SimDriver};
 pub const GRAN: usize = 64 << 10;
 
 pub fn engine(devices: usize, capacity: usize) -> (Arc<SimDriver>, Engine) {
+    engine_with_codec(devices, capacity, true)
+}
+
+/// An engine whose backups are raw (the sim offers no codec): for tests that count the copies, pinned cells
+/// or host bytes of the raw path.
+pub fn raw_engine(devices: usize, capacity: usize) -> (Arc<SimDriver>, Engine) {
+    engine_with_codec(devices, capacity, false)
+}
+
+fn engine_with_codec(devices: usize, capacity: usize, compress: bool) -> (Arc<SimDriver>, Engine) {
     let sim = Arc::new(
         SimDriver::new(SimConfig {
             devices,
             capacity,
             granularity: GRAN,
+            compress,
             ..SimConfig::default()
         })
         .unwrap(),

@@ -1,0 +1,607 @@
+//! Compressed backups: an allocation's host backup as one codec blob per fingerprint chunk, in host arenas that
+//! hold the blobs only (host bytes held = stored bytes, not raw bytes).
+//!
+//! Sleep (`pack`): the chunks of the allocations to compress are fingerprinted first (one batch per device,
+//! waited for: the prints a wake verifies against), then the driver's codec writes each chunk's blob where the
+//! `Placer` says: back to back in arenas sized from an estimate of the ratio (the last sleep's), a new one when
+//! the estimate falls short. Each arena is checked against the host budget and what the host can still pin
+//! before it is taken. A retained compressed backup (retain.rs) keeps the blobs of its unchanged chunks (not
+//! compressed, not copied again); only changed chunks get new blobs. Any failure (prints, codec, host memory)
+//! returns an error with nothing changed; the engine then copies those allocations raw for this sleep.
+//!
+//! Wake (`restore_packed`): once the allocations are mapped, the codec restores every blob into its chunk, then
+//! one fingerprint pass over the restored chunks is compared with the prints of the sleep. A codec error or a
+//! mismatch fails the wake (naming the allocation); the blobs are never changed, so a later wake can succeed.
+//!
+//! Chunks are the fingerprint chunk (2 MiB by default): the codec takes ranges of at most `MAX_RANGE`, so a
+//! larger fingerprint chunk turns compression off (backups are raw). The file tier stores raw bytes: a backup
+//! that goes to a spill file is never compressed.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use super::{Backup, BackupStore, Place};
+use crate::driver::codec::{DataKind, RestoreItem, Stored};
+use crate::driver::{DevPtr, Driver};
+use crate::error::{Error, Result};
+use crate::error_log::ErrorLog;
+use crate::fingerprint::{self, Fingerprint};
+use crate::host::HostBuffer;
+use crate::registry::Registry;
+
+/// Largest range the codec is given (`DeviceCodec::compress_to_host`'s promise).
+pub const MAX_RANGE: usize = 2 << 20;
+
+/// The ratio assumed before any sleep measured one (bf16 weights: ~0.67).
+pub(super) const FIRST_RATIO_GUESS: f64 = 0.75;
+
+/// Smallest arena taken for blobs: a few pages, so that a small backup does not hold more than its raw size.
+const MIN_ARENA: usize = 64 << 10;
+
+/// Largest arena taken for blobs: the estimate's error is then at most one arena's tail, which `finish` moves
+/// into an arena of its exact size when it is large (a host copy of at most this much).
+const MAX_ARENA: usize = 256 << 20;
+
+/// Decodes a blob on the host, where the codec's format allows it (the simulated driver's): `read_backup` of a
+/// compressed backup. None on CUDA, whose blobs only a wake restores.
+pub(crate) type HostDecode = fn(&[u8], &mut [u8]) -> Result<()>;
+
+/// One chunk's blob: `stored.len` bytes at `offset` of `arena`.
+#[derive(Clone)]
+pub(crate) struct Blob {
+    arena: Arc<HostBuffer>,
+    offset: usize,
+    stored: Stored,
+}
+
+/// A compressed backup: the blobs of an allocation's chunks, in order, and their prints from the sleep.
+pub(crate) struct Packed {
+    pub(crate) kind: DataKind,
+    /// Raw bytes per chunk (the last chunk may be shorter), and in all.
+    pub(crate) chunk: usize,
+    pub(crate) size: usize,
+    pub(crate) blobs: Vec<Blob>,
+    /// Fingerprint of each chunk's raw bytes, taken by the sleep that made its blob.
+    pub(crate) prints: Vec<Fingerprint>,
+    pub(crate) host_decode: Option<HostDecode>,
+}
+
+impl Packed {
+    /// Host bytes its blobs take.
+    pub(crate) fn stored_bytes(&self) -> usize {
+        self.blobs.iter().map(|b| b.stored.len).sum()
+    }
+
+    /// Chunk `i`: (offset in the allocation, raw length), for an allocation of `size` bytes.
+    fn chunk_range(&self, i: usize, size: usize) -> (usize, usize) {
+        let off = i * self.chunk;
+        (off, self.chunk.min(size - off))
+    }
+
+    /// `out.len()` bytes from `at` of the raw contents, decoded on the host (raw blobs need no codec).
+    pub(crate) fn read_at(&self, size: usize, at: usize, out: &mut [u8]) -> Result<()> {
+        let mut done = 0;
+        while done < out.len() {
+            let i = (at + done) / self.chunk;
+            let (off, len) = self.chunk_range(i, size);
+            let blob = &self.blobs[i];
+            let mut raw = vec![0u8; len];
+            if blob.stored.raw {
+                blob.arena.read_at(blob.offset, &mut raw);
+            } else {
+                let decode = self.host_decode.ok_or_else(|| {
+                    Error::InvalidState(
+                        "this backup is compressed on the device: only a wake restores its bytes"
+                            .into(),
+                    )
+                })?;
+                let mut bytes = vec![0u8; blob.stored.len];
+                blob.arena.read_at(blob.offset, &mut bytes);
+                decode(&bytes, &mut raw)?;
+            }
+            let from = at + done - off;
+            let n = (len - from).min(out.len() - done);
+            out[done..done + n].copy_from_slice(&raw[from..from + n]);
+            done += n;
+        }
+        Ok(())
+    }
+}
+
+/// An allocation `pack` compresses: (addr, device, size, mode, its retained compressed backup if any).
+type Packing = (DevPtr, i32, usize, DataKind, Option<Arc<Packed>>);
+
+/// One allocation to compress at a sleep.
+pub struct PackJob {
+    pub addr: DevPtr,
+    pub device: i32,
+    pub size: usize,
+    pub kind: DataKind,
+}
+
+/// What `pack` made: a backup per allocation (with the prints the retention keeps) and its figures.
+#[derive(Default)]
+pub struct PackedSleep {
+    pub backups: Vec<(DevPtr, Backup, Vec<Fingerprint>)>,
+    /// Raw bytes of the backups made, and the host bytes their blobs take.
+    pub raw_bytes: usize,
+    pub stored_bytes: usize,
+    /// Retained compressed backups: chunks compared, bytes kept (unchanged), bytes compressed again (changed).
+    pub chunks_checked: usize,
+    pub skipped_bytes: usize,
+    pub copied_bytes: usize,
+}
+
+/// Hands out blob places back to back in arenas it takes as needed (see the module notes).
+struct Placer<'s> {
+    store: &'s mut BackupStore,
+    arenas: Vec<HostBuffer>,
+    /// Bytes used in the last arena.
+    used: usize,
+    /// Bytes of the arenas taken so far (counted against the budget before the next).
+    taken: usize,
+    ratio: f64,
+}
+
+impl Placer<'_> {
+    /// A place for a blob of `len` bytes; `rest_raw` raw bytes (this one's included) are still to be placed.
+    fn place(&mut self, len: usize, rest_raw: usize) -> Result<(usize, usize)> {
+        let fits = (self.arenas.last()).is_some_and(|a| a.len() - self.used >= len);
+        if !fits {
+            let estimate = (rest_raw as f64 * self.ratio * 1.05) as usize;
+            let size = estimate.clamp(MIN_ARENA, MAX_ARENA).max(len);
+            // The cached arena (pinned ahead, or kept from an earlier sleep) when it is not much larger than needed.
+            let buf = match self.store.host.take_cached(size) {
+                Some(b) if b.len() <= 2 * size => b,
+                other => {
+                    if let Some(b) = other {
+                        let _ = self.store.host.cache(b); // as it was
+                    }
+                    const REFUSED: &str = "compressed backup (this sleep copies it raw instead)";
+                    self.store.check_budget(self.taken + size, REFUSED)?;
+                    self.store.room.check(size, REFUSED)?;
+                    let (mut buf, fallback) = HostBuffer::acquire(&self.store.driver, size)?;
+                    self.store.host.fallbacks.extend(fallback);
+                    self.store.host.notes.append(&mut buf.notes);
+                    self.taken += size;
+                    buf
+                }
+            };
+            self.arenas.push(buf);
+            self.used = 0;
+        }
+        let offset = self.used;
+        self.used += len;
+        Ok((self.arenas.len() - 1, offset))
+    }
+}
+
+impl Placer<'_> {
+    /// The arenas, the last one moved into a buffer of the bytes it uses when more than an eighth of it is
+    /// unused (host bytes held = stored bytes, within that slack). A failure keeps it as it is.
+    fn finish(mut self) -> Vec<HostBuffer> {
+        let Some(last) = self.arenas.last() else {
+            return self.arenas;
+        };
+        let (len, used) = (last.len(), self.used);
+        if used == 0 || len - used <= (len / 8).max(MIN_ARENA) {
+            return self.arenas;
+        }
+        let Ok((mut exact, fallback)) = HostBuffer::acquire(&self.store.driver, used) else {
+            return self.arenas;
+        };
+        self.store.host.fallbacks.extend(fallback);
+        self.store.host.notes.append(&mut exact.notes);
+        let old = self.arenas.pop().expect("checked");
+        exact.copy_from(0, &old, 0, used); // no device copy touches either: the codec has returned
+        let _ = self.store.host.give_back(old);
+        self.arenas.push(exact);
+        self.arenas
+    }
+}
+
+impl BackupStore {
+    /// Whether sleeps compress: on, a codec offered, a fingerprint chunk the codec takes, prints that work.
+    pub fn compressing(&self) -> bool {
+        self.compress
+            && self.driver.codec().is_some()
+            && self.retention.chunk <= MAX_RANGE
+            && !self.retention.unavailable
+    }
+
+    /// Compression on or off (`CUMEM_RS_COMPRESS`); backups already compressed stay so until they wake.
+    pub fn set_compress(&mut self, on: bool) {
+        self.compress = on;
+    }
+
+    /// Host bytes `raw` bytes of compressed backups are estimated to take (the last compressed sleep's ratio,
+    /// with the placer's slack), for pinning ahead.
+    pub fn estimate_stored(&self, raw: usize) -> usize {
+        (raw as f64 * self.ratio_guess * 1.05).min(raw as f64) as usize
+    }
+
+    /// What the codec is, while sleeps compress.
+    pub fn codec_description(&self) -> Option<String> {
+        self.compressing()
+            .then(|| self.driver.codec().map(|c| c.describe()))
+            .flatten()
+    }
+
+    /// Sleep, before anything is released: split the allocations with a retained compressed backup off
+    /// `retained` (returned: `pack` handles them).
+    pub fn split_packed(&self, retained: &mut Vec<DevPtr>) -> Vec<DevPtr> {
+        let (packed, rest): (Vec<DevPtr>, Vec<DevPtr>) = retained
+            .iter()
+            .partition(|a| (self.retention.retained.get(a)).is_some_and(|b| b.packed().is_some()));
+        *retained = rest;
+        packed
+    }
+
+    /// Sleep: compressed backups of `jobs` (fresh) and of `retained` (allocations with a retained compressed
+    /// backup: only their changed chunks are compressed again). Nothing is released here; on error nothing
+    /// changed (the arenas taken go back) and the caller copies these allocations raw.
+    pub fn pack(
+        &mut self,
+        reg: &Registry,
+        jobs: &[PackJob],
+        retained: &[DevPtr],
+        log: &mut ErrorLog,
+    ) -> Result<PackedSleep> {
+        let driver = self.driver.clone();
+        let codec = (driver.codec()).ok_or_else(|| Error::InvalidState("no codec".into()))?;
+        // A buffer being pinned ahead is cached from here on (the placer may take it).
+        self.stop_pin_ahead(log);
+        let chunk = self.retention.chunk;
+        // Every allocation, fresh or retained: (addr, device, size, kind, old backup).
+        let mut all: Vec<Packing> = (jobs.iter())
+            .map(|j| (j.addr, j.device, j.size, j.kind, None))
+            .collect();
+        for &addr in retained {
+            let a = reg.get(addr).expect("selected");
+            let old = (self.retention.retained.get(&addr))
+                .and_then(Backup::packed)
+                .expect("split on it")
+                .clone();
+            all.push((addr, a.device, a.size, old.kind, Some(old)));
+        }
+        let prints = self.prints_now(&all, chunk)?;
+
+        // The chunks to compress, per device and kind, in order: (allocation index, chunk index).
+        let mut todo: HashMap<(i32, DataKind), Vec<(usize, usize)>> = HashMap::new();
+        let mut out = PackedSleep::default();
+        for (n, (_, dev, size, kind, old)) in all.iter().enumerate() {
+            for (i, (_, len)) in fingerprint::chunks(*size, chunk).enumerate() {
+                if let Some(old) = old {
+                    out.chunks_checked += 1;
+                    if old.chunk == chunk && old.prints.get(i) == Some(&prints[n][i]) {
+                        out.skipped_bytes += len;
+                        continue;
+                    }
+                    out.copied_bytes += len;
+                }
+                todo.entry((*dev, *kind)).or_default().push((n, i));
+            }
+        }
+        let ratio = self.ratio_guess;
+        let mut placer = Placer {
+            store: self,
+            arenas: Vec::new(),
+            used: 0,
+            taken: 0,
+            ratio,
+        };
+        // (arena index, offset, stored) of each compressed chunk.
+        let mut made: HashMap<(usize, usize), (usize, usize, Stored)> = HashMap::new();
+        for ((dev, kind), list) in &todo {
+            let ranges: Vec<(DevPtr, usize)> = (list.iter())
+                .map(|&(n, i)| {
+                    let (addr, _, size, _, _) = &all[n];
+                    let (off, len) = fingerprint::chunks(*size, chunk).nth(i).expect("chunk");
+                    (addr + off as u64, len)
+                })
+                .collect();
+            let mut rest: usize = ranges.iter().map(|r| r.1).sum();
+            let mut places = Vec::with_capacity(ranges.len());
+            let stored = codec.compress_to_host(*dev, &ranges, *kind, &mut |i, len| {
+                let (a, off) = placer.place(len, rest)?;
+                rest = rest.saturating_sub(ranges[i].1);
+                places.push((a, off));
+                Ok(placer.arenas[a].at(off))
+            });
+            let stored = match stored {
+                Ok(s) => s,
+                Err(e) => {
+                    // The arenas go back (cached or to the OS); nothing points into them.
+                    for a in placer.arenas {
+                        let _ = placer.store.host.give_back(a);
+                    }
+                    self.record_host_fallbacks(log);
+                    return Err(e);
+                }
+            };
+            if stored.len() != ranges.len() || places.len() != ranges.len() {
+                return Err(Error::InvalidState(format!(
+                    "codec answered {} blobs for {} ranges",
+                    stored.len(),
+                    ranges.len()
+                )));
+            }
+            for (k, &(n, i)) in list.iter().enumerate() {
+                made.insert((n, i), (places[k].0, places[k].1, stored[k]));
+            }
+        }
+        let arenas: Vec<Arc<HostBuffer>> = (placer.finish().into_iter())
+            .map(|a| self.adopt(a, log))
+            .collect();
+        self.record_host_fallbacks(log);
+        let host_decode: Option<HostDecode> =
+            (self.driver.backend() == "sim").then_some(crate::driver::sim_codec::decode);
+        for (n, (addr, _, size, kind, old)) in all.into_iter().enumerate() {
+            let blobs: Vec<Blob> = (0..size.div_ceil(chunk))
+                .map(|i| match made.get(&(n, i)) {
+                    Some(&(a, offset, stored)) => Blob {
+                        arena: arenas[a].clone(),
+                        offset,
+                        stored,
+                    },
+                    None => old.as_ref().expect("unchanged chunks are retained").blobs[i].clone(),
+                })
+                .collect();
+            let packed = Packed {
+                kind,
+                chunk,
+                size,
+                blobs,
+                prints: prints[n].clone(),
+                host_decode,
+            };
+            out.raw_bytes += size;
+            out.stored_bytes += packed.stored_bytes();
+            let backup = Backup {
+                place: Place::Packed(Arc::new(packed)),
+                len: size,
+            };
+            out.backups.push((addr, backup, prints[n].clone()));
+        }
+        // The spare arena the bound lets the store keep for the next sleep (bound.rs): as large as the blobs made
+        // now (those of unchanged retained chunks were made before).
+        let made_bytes: usize = made.values().map(|m| m.2.len).sum();
+        self.largest = self.largest.max(made_bytes);
+        if out.raw_bytes > 0 {
+            self.ratio_guess = (out.stored_bytes as f64 / out.raw_bytes as f64).clamp(0.01, 1.0);
+        }
+        Ok(out)
+    }
+
+    /// The prints of the chunks of `all`, one batch per device, waited for.
+    fn prints_now(&self, all: &[Packing], chunk: usize) -> Result<Vec<Vec<Fingerprint>>> {
+        let mut per_device: HashMap<i32, Vec<usize>> = HashMap::new();
+        for (n, (_, dev, ..)) in all.iter().enumerate() {
+            per_device.entry(*dev).or_default().push(n);
+        }
+        let mut prints = vec![Vec::new(); all.len()];
+        for (dev, members) in per_device {
+            let ranges: Vec<(DevPtr, usize)> = (members.iter())
+                .flat_map(|&n| {
+                    let (addr, _, size, ..) = all[n];
+                    fingerprint::chunks(size, chunk).map(move |(off, len)| (addr + off as u64, len))
+                })
+                .collect();
+            let fps = take_prints(&*self.driver, dev, &ranges)?;
+            let mut rest = fps.as_slice();
+            for n in members {
+                let (mine, tail) = rest.split_at(all[n].2.div_ceil(chunk));
+                prints[n] = mine.to_vec();
+                rest = tail;
+            }
+        }
+        Ok(prints)
+    }
+
+    /// Wake, once every allocation of `placed` ((device, addr), asleep) is mapped: restore those with a
+    /// compressed backup and verify them against their sleep's prints. Returns (raw bytes, stored bytes).
+    pub fn restore_packed(
+        &self,
+        placed: &[(i32, DevPtr)],
+        reg: &Registry,
+    ) -> Result<(usize, usize)> {
+        let mut per_device: HashMap<i32, Vec<(DevPtr, &Packed)>> = HashMap::new();
+        for &(dev, addr) in placed {
+            if let Some(p) = self.asleep.get(&addr).and_then(Backup::packed) {
+                per_device.entry(dev).or_default().push((addr, p));
+            }
+        }
+        if per_device.is_empty() {
+            return Ok((0, 0));
+        }
+        let codec = self.driver.codec().ok_or_else(|| {
+            Error::InvalidState(
+                "wake: compressed backups, but the driver offers no codec any more; nothing was restored".into(),
+            )
+        })?;
+        let (mut raw, mut stored) = (0, 0);
+        for (dev, allocs) in per_device {
+            let mut items = Vec::new();
+            let mut chunks = Vec::new();
+            for &(addr, p) in &allocs {
+                let size = reg.get(addr).expect("selected").size;
+                for (i, blob) in p.blobs.iter().enumerate() {
+                    let (off, len) = p.chunk_range(i, size);
+                    items.push(RestoreItem {
+                        src: blob.arena.at(blob.offset),
+                        stored: blob.stored,
+                        dst: addr + off as u64,
+                        raw_len: len,
+                        kind: p.kind,
+                    });
+                    chunks.push((addr + off as u64, len));
+                }
+                raw += size;
+                stored += p.stored_bytes();
+            }
+            codec.decompress_from_host(dev, &items).map_err(|e| {
+                let addrs: Vec<String> = allocs.iter().map(|(a, _)| format!("{a:#x}")).collect();
+                naming(
+                    e,
+                    format!(
+                        "restoring the compressed backups of allocations {} on device {dev}; every allocation \
+                         stays asleep with its backup",
+                        addrs.join(", ")
+                    ),
+                )
+            })?;
+            let fps = take_prints(&*self.driver, dev, &chunks)?;
+            let mut at = 0;
+            for (addr, p) in allocs {
+                let a = reg.get(addr).expect("selected");
+                for (i, want) in p.prints.iter().enumerate() {
+                    if fps.get(at + i) != Some(want) {
+                        return Err(Error::InvalidState(format!(
+                            "wake: allocation {addr:#x} (tag {:?}) did not restore intact from its compressed \
+                             backup (chunk at +{:#x} differs from the fingerprint its sleep took); every \
+                             allocation stays asleep with its backup",
+                            a.tag,
+                            p.chunk_range(i, a.size).0
+                        )));
+                    }
+                }
+                at += p.blobs.len();
+            }
+        }
+        Ok((raw, stored))
+    }
+
+    /// Move the blobs of compressed backups (asleep and retained) out of arenas with unused bytes into one new
+    /// arena of exactly their size (bound.rs, after its raw backups): partial wakes and changed chunks leave
+    /// holes in blob arenas as they do in raw ones. Same bytes, same prints; no device copy touches a blob.
+    pub(super) fn compact_packed(&mut self, log: &mut ErrorLog) -> Result<()> {
+        let packed: Vec<(DevPtr, bool, Arc<Packed>)> = (self.asleep.iter())
+            .map(|(a, b)| (*a, false, b))
+            .chain(self.retention.retained.iter().map(|(a, b)| (*a, true, b)))
+            .filter_map(|(a, r, b)| b.packed().map(|p| (a, r, p.clone())))
+            .collect();
+        // Bytes of blobs in each arena (a blob shared by two backups counted once).
+        let mut used: HashMap<usize, usize> = HashMap::new();
+        let mut seen = std::collections::HashSet::new();
+        for (_, _, p) in &packed {
+            for b in &p.blobs {
+                if seen.insert((Arc::as_ptr(&b.arena) as usize, b.offset)) {
+                    *used.entry(Arc::as_ptr(&b.arena) as usize).or_default() += b.stored.len;
+                }
+            }
+        }
+        let holed = |b: &Blob| used[&(Arc::as_ptr(&b.arena) as usize)] < b.arena.len();
+        let moving: Vec<&(DevPtr, bool, Arc<Packed>)> = packed
+            .iter()
+            .filter(|(_, _, p)| p.blobs.iter().any(holed))
+            .collect();
+        let mut places: HashMap<(usize, usize), usize> = HashMap::new();
+        let mut total = 0;
+        for (_, _, p) in &moving {
+            for b in p.blobs.iter().filter(|b| holed(b)) {
+                places
+                    .entry((Arc::as_ptr(&b.arena) as usize, b.offset))
+                    .or_insert_with(|| {
+                        total += b.stored.len;
+                        total - b.stored.len
+                    });
+            }
+        }
+        if total == 0
+            || self
+                .check_budget(total, "compacting compressed backups")
+                .is_err()
+        {
+            return Ok(());
+        }
+        let (mut buf, fallback) = HostBuffer::acquire(&self.driver, total)?;
+        let refused = std::mem::take(&mut buf.notes);
+        super::record_pinning(log, fallback.into_iter().collect(), refused);
+        let mut copied = std::collections::HashSet::new();
+        for (_, _, p) in &moving {
+            for b in p.blobs.iter().filter(|b| holed(b)) {
+                let key = (Arc::as_ptr(&b.arena) as usize, b.offset);
+                if copied.insert(key) {
+                    buf.copy_from(places[&key], &b.arena, b.offset, b.stored.len);
+                }
+            }
+        }
+        let arena = Arc::new(buf);
+        for (addr, retained, p) in moving {
+            let blobs = (p.blobs.iter())
+                .map(
+                    |b| match places.get(&(Arc::as_ptr(&b.arena) as usize, b.offset)) {
+                        Some(&offset) => Blob {
+                            arena: arena.clone(),
+                            offset,
+                            stored: b.stored,
+                        },
+                        None => b.clone(),
+                    },
+                )
+                .collect();
+            let moved = Packed {
+                kind: p.kind,
+                chunk: p.chunk,
+                size: p.size,
+                blobs,
+                prints: p.prints.clone(),
+                host_decode: p.host_decode,
+            };
+            let backup = Backup {
+                place: Place::Packed(Arc::new(moved)),
+                len: p.size,
+            };
+            if *retained {
+                self.retention.rebind(*addr, backup);
+            } else {
+                self.asleep.insert(*addr, backup);
+            }
+        }
+        self.arenas.push(arena);
+        Ok(())
+    }
+
+    /// Stored and raw bytes of the compressed backups of asleep allocations.
+    pub fn compressed_asleep(&self) -> (usize, usize) {
+        (self.asleep.values())
+            .filter_map(|b| b.packed().map(|p| (p.stored_bytes(), b.len)))
+            .fold((0, 0), |(s, r), (ps, pr)| (s + ps, r + pr))
+    }
+}
+
+/// `e` with `context` added to its message, its kind (and a driver error's op and code) kept.
+fn naming(e: Error, context: String) -> Error {
+    match e {
+        Error::Driver { op, code, name } => Error::Driver {
+            op,
+            code,
+            name: format!("{name} ({context})"),
+        },
+        Error::OutOfMemory { what } => Error::OutOfMemory {
+            what: format!("{what} ({context})"),
+        },
+        other => Error::InvalidState(format!("{other} ({context})")),
+    }
+}
+
+/// Fingerprints of `ranges` on `device`: queued, waited for, taken.
+fn take_prints(
+    driver: &dyn Driver,
+    device: i32,
+    ranges: &[(DevPtr, usize)],
+) -> Result<Vec<Fingerprint>> {
+    driver.queue_fingerprints(device, ranges)?;
+    let waited = driver.wait(device);
+    let fps = driver.take_fingerprints(device); // taken also after a failed wait: one batch at a time
+    waited?;
+    let fps = fps?;
+    if fps.len() != ranges.len() {
+        return Err(Error::InvalidState(format!(
+            "{} fingerprints for {} chunks",
+            fps.len(),
+            ranges.len()
+        )));
+    }
+    Ok(fps)
+}

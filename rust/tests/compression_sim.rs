@@ -1,0 +1,362 @@
+//! Compressed backups on the simulated driver's codec: round trips, host bytes held, retained chunks that are not
+//! compressed again, the compress policy and switch, and every fault path (sleep falls back to raw, a wake that
+//! cannot decompress or restores wrong bytes fails transactionally and a later wake succeeds).
+
+mod common;
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+use common::{assert_no_leaks, engine, GRAN};
+use cumem_rs::driver::{Driver, Op};
+use cumem_rs::{Compress, Engine, EngineConfig, SimConfig, SimDriver, TagPolicy};
+
+const CUDA_ERROR_UNKNOWN: i32 = 999;
+
+/// bf16 bit patterns of N(0, 0.02) samples (what `torch.randn(...) * 0.02` holds), deterministic.
+fn bf16_like(bytes: usize, seed: u64) -> Vec<u8> {
+    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    let mut next = || {
+        s ^= s << 13;
+        s ^= s >> 7;
+        s ^= s << 17;
+        (s >> 11) as f64 / (1u64 << 53) as f64
+    };
+    let mut out = Vec::with_capacity(bytes);
+    while out.len() < bytes {
+        let (u, v) = (next().max(1e-300), next());
+        let x = (-2.0 * u.ln()).sqrt() * (2.0 * std::f64::consts::PI * v).cos() * 0.02;
+        out.extend_from_slice(&(((x as f32).to_bits() >> 16) as u16).to_le_bytes());
+    }
+    out
+}
+
+fn random_bytes(bytes: usize, seed: u64) -> Vec<u8> {
+    let mut s = seed | 1;
+    (0..bytes)
+        .map(|_| {
+            s = s
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            (s >> 56) as u8
+        })
+        .collect()
+}
+
+/// One "weights" allocation holding `data`.
+fn weights(e: &Engine, data: &[u8]) -> u64 {
+    e.push_tag("weights").unwrap();
+    let a = e.malloc(data.len(), 0, 0).unwrap();
+    e.pop_tag().unwrap();
+    e.write(a, data).unwrap();
+    a
+}
+
+fn compressed(sim: &SimDriver) -> u64 {
+    sim.inner()
+        .codec_counts()
+        .compressed
+        .load(Ordering::Relaxed)
+}
+
+#[test]
+fn bf16_like_random_and_zero_data_come_back_bit_identical_and_bf16_takes_less_host_memory() {
+    let (sim, e) = engine(1, 64 << 20);
+    let bf16 = bf16_like(64 * GRAN, 1);
+    let random = random_bytes(16 * GRAN, 2);
+    let zeros = vec![0u8; 16 * GRAN];
+    let allocs: Vec<(u64, &Vec<u8>)> = [&bf16, &random, &zeros]
+        .into_iter()
+        .map(|d| (weights(&e, d), d))
+        .collect();
+    let raw_total = bf16.len() + random.len() + zeros.len();
+    let rep = e.sleep(&["weights"]).unwrap();
+    assert_eq!((rep.copied_bytes, rep.raw_bytes), (raw_total, raw_total));
+    let s = e.stats();
+    assert!(
+        s.codec.as_deref().unwrap().contains("zstd"),
+        "{:?}",
+        s.codec
+    );
+    assert_eq!(s.host_tier_bytes, raw_total);
+    assert_eq!(s.compressed_raw_bytes, raw_total);
+    assert_eq!(
+        (s.compressed_bytes, s.host_tier_stored_bytes),
+        (rep.stored_bytes, rep.stored_bytes)
+    );
+    // Random bytes are stored raw (no gain), zeros shrink to almost nothing, bf16 to ~0.68.
+    let bf16_stored = rep.stored_bytes - random.len();
+    let ratio = bf16_stored as f64 / bf16.len() as f64;
+    assert!((0.6..0.75).contains(&ratio), "bf16 ratio {ratio}");
+    assert!(
+        e.host_bytes() < raw_total * 3 / 4,
+        "host bytes held {} for {raw_total} raw",
+        e.host_bytes()
+    );
+    // The backup reads back decoded on the host (the sim's blobs allow it).
+    assert_eq!(
+        e.read_backup(allocs[0].0, 4096).unwrap().unwrap(),
+        bf16[..4096]
+    );
+    let woke = e.wake(None::<&[&str]>).unwrap();
+    assert_eq!(
+        (woke.raw_bytes, woke.stored_bytes),
+        (raw_total, rep.stored_bytes)
+    );
+    for (a, d) in &allocs {
+        assert!(e.read(*a, d.len()).unwrap() == **d, "data of {a:#x}");
+    }
+    e.close().unwrap();
+    assert_no_leaks(&sim);
+}
+
+#[test]
+fn a_retained_unchanged_chunk_is_not_compressed_again_and_a_changed_one_is() {
+    let (sim, e) = engine(1, 64 << 20);
+    e.set_fingerprint_chunk(GRAN).unwrap();
+    let mut data = bf16_like(8 * GRAN, 3);
+    let a = weights(&e, &data);
+    e.sleep(&["weights"]).unwrap();
+    assert_eq!(compressed(&sim), 8, "one blob per chunk");
+    e.wake(None::<&[&str]>).unwrap();
+    assert_eq!(e.stats().retained_allocations, 1);
+
+    // Unchanged: nothing compressed, nothing copied.
+    let rep = e.sleep(&["weights"]).unwrap();
+    assert_eq!(compressed(&sim), 8);
+    assert_eq!((rep.skipped_bytes, rep.copied_bytes), (8 * GRAN, 0));
+    e.wake(None::<&[&str]>).unwrap();
+    assert!(e.read(a, data.len()).unwrap() == data);
+
+    // One chunk changed: only its blob is made again.
+    let patch = bf16_like(GRAN, 4);
+    data[5 * GRAN..6 * GRAN].copy_from_slice(&patch);
+    e.write(a + 5 * GRAN as u64, &patch).unwrap();
+    let rep = e.sleep(&["weights"]).unwrap();
+    assert_eq!(compressed(&sim), 9);
+    assert_eq!((rep.skipped_bytes, rep.copied_bytes), (7 * GRAN, GRAN));
+    e.wake(None::<&[&str]>).unwrap();
+    assert!(
+        e.read(a, data.len()).unwrap() == data,
+        "the new blob restored"
+    );
+    e.close().unwrap();
+    assert_no_leaks(&sim);
+}
+
+#[test]
+fn a_failed_compression_falls_back_to_raw_copies_for_that_sleep() {
+    for op in [Op::Compress, Op::Fingerprint] {
+        let (sim, e) = engine(1, 64 << 20);
+        let data = bf16_like(8 * GRAN, 5);
+        let a = weights(&e, &data);
+        sim.inject_fault(op, 1, CUDA_ERROR_UNKNOWN).unwrap();
+        let rep = e.sleep(&["weights"]).unwrap();
+        assert_eq!((rep.copied_bytes, rep.raw_bytes), (data.len(), 0), "{op:?}");
+        let s = e.stats();
+        assert_eq!((s.asleep_allocations, s.compressed_bytes), (1, 0));
+        assert!(
+            e.errors().iter().any(|r| r.contains("copied them raw")),
+            "{:?}",
+            e.errors()
+        );
+        e.wake(None::<&[&str]>).unwrap();
+        assert!(e.read(a, data.len()).unwrap() == data);
+        e.close().unwrap();
+        assert_no_leaks(&sim);
+    }
+}
+
+#[test]
+fn a_wake_that_cannot_decompress_or_restores_wrong_bytes_fails_whole_and_a_later_wake_succeeds() {
+    for op in [Op::Decompress, Op::CorruptDecompress] {
+        let (sim, e) = engine(1, 64 << 20);
+        let data = bf16_like(8 * GRAN, 6);
+        let a = weights(&e, &data);
+        let other = bf16_like(2 * GRAN, 7);
+        let b = weights(&e, &other);
+        e.sleep(&["weights"]).unwrap();
+        let mapped = sim.counts().mapped_bytes;
+        sim.inject_fault(op, 1, CUDA_ERROR_UNKNOWN).unwrap();
+        let err = e.wake(None::<&[&str]>).unwrap_err();
+        assert!(
+            err.to_string().contains(&format!("{a:#x}")),
+            "{op:?}: {err}"
+        );
+        if op == Op::CorruptDecompress {
+            assert!(err.to_string().contains("did not restore intact"), "{err}");
+        }
+        let s = e.stats();
+        assert_eq!(s.asleep_allocations, 2, "every allocation stays asleep");
+        assert_eq!(
+            s.compressed_raw_bytes,
+            data.len() + other.len(),
+            "backups kept"
+        );
+        assert_eq!(
+            sim.counts().mapped_bytes,
+            mapped,
+            "what the wake mapped is released"
+        );
+        e.wake(None::<&[&str]>).unwrap();
+        assert!(e.read(a, data.len()).unwrap() == data);
+        assert!(e.read(b, other.len()).unwrap() == other);
+        e.close().unwrap();
+        assert_no_leaks(&sim);
+    }
+}
+
+#[test]
+fn compress_off_by_policy_or_by_configuration_keeps_backups_raw() {
+    let (sim, e) = engine(1, 64 << 20);
+    e.set_tag_policy(
+        "weights",
+        TagPolicy {
+            compress: Compress::Off,
+            ..TagPolicy::default()
+        },
+    )
+    .unwrap();
+    let data = bf16_like(8 * GRAN, 8);
+    let a = weights(&e, &data);
+    let rep = e.sleep(&["weights"]).unwrap();
+    assert_eq!((rep.raw_bytes, e.stats().compressed_bytes), (0, 0));
+    assert_eq!(e.host_bytes(), data.len());
+    e.wake(None::<&[&str]>).unwrap();
+    assert!(e.read(a, data.len()).unwrap() == data);
+    e.close().unwrap();
+    assert_no_leaks(&sim);
+
+    let sim = Arc::new(
+        SimDriver::new(SimConfig {
+            granularity: GRAN,
+            ..SimConfig::default()
+        })
+        .unwrap(),
+    );
+    let config = EngineConfig {
+        compress: false,
+        ..EngineConfig::default()
+    };
+    let e = Engine::with_config(sim.clone() as Arc<dyn Driver>, config).unwrap();
+    assert!(e.stats().codec.is_none(), "compression is off");
+    let a = weights(&e, &data);
+    let rep = e.sleep(&["weights"]).unwrap();
+    assert_eq!(rep.raw_bytes, 0);
+    e.wake(None::<&[&str]>).unwrap();
+    assert!(e.read(a, data.len()).unwrap() == data);
+    e.close().unwrap();
+    assert_no_leaks(&sim);
+}
+
+#[test]
+fn partial_wakes_free_discard_and_trim_keep_working_with_compressed_backups() {
+    let (sim, e) = engine(1, 64 << 20);
+    let w = bf16_like(8 * GRAN, 9);
+    let a = weights(&e, &w);
+    e.push_tag("kv_cache").unwrap();
+    let kv = bf16_like(4 * GRAN, 10);
+    let b = e.malloc(kv.len(), 0, 0).unwrap();
+    e.write(b, &kv).unwrap();
+    let freed = e.malloc(4 * GRAN, 0, 0).unwrap();
+    e.write(freed, &kv).unwrap();
+    e.pop_tag().unwrap();
+    e.sleep(&["weights", "kv_cache"]).unwrap();
+    e.free(freed).unwrap();
+    e.wake(Some(&["kv_cache"])).unwrap();
+    assert!(e.read(b, kv.len()).unwrap() == kv);
+    assert_eq!(
+        e.stats().compressed_raw_bytes,
+        w.len(),
+        "the weights' backup stays"
+    );
+    e.wake(None::<&[&str]>).unwrap();
+    assert!(e.read(a, w.len()).unwrap() == w);
+    // A discard drops the retained backups of what it releases; trim drops every retained one.
+    e.discard(&["kv_cache"]).unwrap();
+    e.trim_host().unwrap();
+    assert_eq!(e.stats().retained_allocations, 0);
+    e.sleep(&["weights"]).unwrap();
+    e.wake(None::<&[&str]>).unwrap();
+    assert!(e.read(a, w.len()).unwrap() == w);
+    e.close().unwrap();
+    assert_no_leaks(&sim);
+}
+
+#[test]
+fn blob_arenas_with_holes_are_compacted_within_the_host_bound() {
+    // Random bytes (stored raw, so the first estimate of the ratio falls short and arenas grow), a retained
+    // backup next to fresh ones, a partial wake: the blob arenas with holes are compacted like raw ones, so the
+    // host memory held stays within the backups referenced plus one spare of the largest sleep's copies.
+    let (sim, e) = engine(1, 64 << 20);
+    let mut datas = Vec::new();
+    let mut alloc = |e: &Engine, tag: &str, granules: usize, seed: u64| {
+        let d = random_bytes(granules * GRAN, seed);
+        e.push_tag(tag).unwrap();
+        let a = e.malloc(d.len(), 0, 0).unwrap();
+        e.pop_tag().unwrap();
+        e.write(a, &d).unwrap();
+        datas.push((a, d));
+    };
+    alloc(&e, "a", 2, 1);
+    alloc(&e, "a", 1, 2);
+    alloc(&e, "b", 2, 3);
+    let mut largest = e.sleep(&["a"]).unwrap().copied_bytes;
+    e.wake(None::<&[&str]>).unwrap();
+    alloc(&e, "a", 1, 4);
+    // Released without backup by the sleep of "a": its undefined contents (the sim's poison) are what it holds.
+    let b_addr = datas[2].0;
+    datas[2].1 = e.read(b_addr, 2 * GRAN).unwrap();
+    largest = largest.max(e.sleep(&["a", "b"]).unwrap().copied_bytes);
+    e.wake(Some(&["b"])).unwrap();
+    let s = e.stats();
+    let referenced = s.host_tier_stored_bytes + s.host_retained_bytes;
+    assert!(
+        e.host_bytes() <= referenced + largest,
+        "{} held for {referenced} referenced (largest sleep {largest})",
+        e.host_bytes()
+    );
+    e.wake(None::<&[&str]>).unwrap();
+    for (a, d) in &datas {
+        assert!(
+            e.read(*a, d.len()).unwrap() == *d,
+            "data of {a:#x} ({} bytes)",
+            d.len()
+        );
+    }
+    e.close().unwrap();
+    assert_no_leaks(&sim);
+}
+
+#[test]
+fn compacting_blob_arenas_moves_the_blobs_intact() {
+    // A partial wake leaves a hole in the blob arena; a reservation compacts first (bound.rs), moving the
+    // remaining blobs into an arena of exactly their size; the next wake restores (and verifies) them.
+    let (sim, e) = engine(1, 64 << 20);
+    e.set_retain_backups(false).unwrap();
+    let wa = bf16_like(8 * GRAN, 30);
+    let a = weights(&e, &wa);
+    e.push_tag("kv_cache").unwrap();
+    let wb = bf16_like(8 * GRAN, 31);
+    let b = e.malloc(wb.len(), 0, 0).unwrap();
+    e.write(b, &wb).unwrap();
+    e.pop_tag().unwrap();
+    e.sleep(&["weights", "kv_cache"]).unwrap();
+    e.wake(Some(&["weights"])).unwrap();
+    let stored = e.stats().host_tier_stored_bytes;
+    assert!(
+        e.stats().host_backup_bytes > stored,
+        "the weights' blobs left a hole"
+    );
+    e.reserve_host(64 * GRAN, false).unwrap();
+    assert_eq!(
+        e.stats().host_backup_bytes,
+        stored,
+        "the blobs moved into an arena of their size"
+    );
+    e.wake(None::<&[&str]>).unwrap();
+    assert!(e.read(a, wa.len()).unwrap() == wa);
+    assert!(e.read(b, wb.len()).unwrap() == wb);
+    e.close().unwrap();
+    assert_no_leaks(&sim);
+}
