@@ -16,7 +16,7 @@ from typing import Optional, Union
 
 from ._native import Allocator
 from ._pools import check_tag
-from .results import BackupTier, Report, WakeFill
+from .results import BackupTier, Compress, Report, WakeFill
 
 
 class SimulatedPools:
@@ -43,8 +43,9 @@ class SimulatedPools:
         backup: Optional[bool] = None,
         wake_fill: WakeFill = "undefined",
         backup_tier: BackupTier = "auto",
+        compress: Compress = "auto",
     ) -> None:
-        self._native.set_tag_policy(check_tag(tag), backup, wake_fill, backup_tier)
+        self._native.set_tag_policy(check_tag(tag), backup, wake_fill, backup_tier, compress)
 
     def pause(self, tags: Optional[list[str]] = None) -> Report:
         return self._native.pause(tags)

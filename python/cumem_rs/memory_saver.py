@@ -227,10 +227,14 @@ class TorchMemorySaver:
             if backup == _DISK and not self._disk_dir_applied:
                 _apply_disk_dir(alloc, tempfile.gettempdir(), "the disk backup directory (system temp)")
                 self._disk_dir_applied = True
-            # Keep a wake_fill (and, but for disk backup, a tier) set ahead through set_tag_policy.
+            # Keep a wake_fill (and, but for disk backup, a tier) set ahead through set_tag_policy. Uncompressed, as
+            # torch_memory_saver's backups are: get_cpu_backup reads a paused tensor's bytes on the host, and only a
+            # wake restores a backup that the GPU compressed.
             policy = alloc.native.tag_policy(inner)
             tier = "file" if backup == _DISK else policy.get("backup_tier", "auto")
-            alloc.set_tag_policy(inner, backup=backup != _NONE, wake_fill=policy["wake_fill"], backup_tier=tier)
+            alloc.set_tag_policy(
+                inner, backup=backup != _NONE, wake_fill=policy["wake_fill"], backup_tier=tier, compress="off"
+            )
             settings[backup] = inner
             return inner
 

@@ -70,6 +70,23 @@ impl BackupStore {
             self.give_back_unused(log);
             self.host.trim()?;
         }
+        // Retained compressed backups: their blobs lie in blob arenas that several backups share, so they go
+        // all together when the raw ones were not enough (the arenas no asleep backup uses are given back).
+        if self.held() > budget {
+            let packed: Vec<DevPtr> = (self.retention.backups())
+                .filter(|(_, b)| b.packed().is_some())
+                .map(|(addr, _)| addr)
+                .collect();
+            if !packed.is_empty() {
+                log::debug!(
+                    "backup store: dropping {} retained compressed backups past the host budget",
+                    packed.len()
+                );
+                self.retention.drop(&packed);
+                self.give_back_unused(log);
+                self.host.trim()?;
+            }
+        }
         Ok(())
     }
 
