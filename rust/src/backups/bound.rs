@@ -82,8 +82,9 @@ impl BackupStore {
     }
 
     /// Every maximal run of bytes of an arena in use that no backup (asleep or retained) lies in and that is
-    /// pinned whole, as (arena, offset, length). Copies into an arena are waited for before the call that queued
-    /// them returns, so no copy is in flight into a hole.
+    /// pinned whole, as (arena, offset, length). The blobs of compressed backups lie in arenas too: their bytes
+    /// are in use like a raw backup's. Copies into an arena are waited for before the call that queued them
+    /// returns, so no copy is in flight into a hole.
     fn holes(&self) -> impl Iterator<Item = (&Arc<HostBuffer>, usize, usize)> {
         let mut used: HashMap<usize, Vec<(usize, usize)>> = HashMap::new();
         let backups = (self.asleep.values()).chain(self.retention.backups().map(|(_, b)| b));
@@ -91,6 +92,10 @@ impl BackupStore {
             if let Some((arena, offset)) = b.arena() {
                 let ranges = used.entry(Arc::as_ptr(arena) as usize).or_default();
                 ranges.push((offset, b.len));
+            }
+            for (arena, offset, len) in b.packed().into_iter().flat_map(|p| p.blob_ranges()) {
+                let ranges = used.entry(Arc::as_ptr(arena) as usize).or_default();
+                ranges.push((offset, len));
             }
         }
         self.arenas.iter().flat_map(move |arena| {

@@ -67,6 +67,13 @@ pub(crate) struct Packed {
 }
 
 impl Packed {
+    /// Where each blob lies: (arena, offset, stored bytes), so that no other backup is put over it.
+    pub(super) fn blob_ranges(&self) -> impl Iterator<Item = (&Arc<HostBuffer>, usize, usize)> {
+        self.blobs
+            .iter()
+            .map(|b| (&b.arena, b.offset, b.stored.len))
+    }
+
     /// Host bytes its blobs take.
     pub(crate) fn stored_bytes(&self) -> usize {
         self.blobs.iter().map(|b| b.stored.len).sum()
