@@ -25,6 +25,9 @@ def test_weights_past_the_budget_spill_to_files_and_come_back(cumem, tmp_path):
     cumem.set_host_budget(64 * MiB)
     cumem.set_spill_dir(tmp_path)
     cumem.set_staging_bytes(32 * MiB)
+    # Raw backups: the exact byte counts below are the file tier's (with compression the host budget holds
+    # blobs, and how budget and tiers count them is still open, see test_file_tier.py's compression variant).
+    cumem.set_tag_policy("weights", compress="off")
     try:
         with cumem.use_memory_pool(tag="weights"):
             ws = [torch.randn(16 * MiB // 2, dtype=torch.bfloat16, device="cuda") for _ in range(12)]
@@ -46,6 +49,7 @@ def test_weights_past_the_budget_spill_to_files_and_come_back(cumem, tmp_path):
                 assert torch.equal(w.cpu(), x)
         del ws
     finally:
+        cumem.set_tag_policy("weights")
         cumem.set_host_budget(None)
         cumem.set_spill_dir(None)
         cumem.set_staging_bytes(256 * MiB)

@@ -104,6 +104,7 @@ def test_sleep_and_wake_with_compression_keep_every_bit():
         a.set_tag_policy("weights", compress="auto")
     except TypeError:
         pytest.skip("this build's backup store does not compress yet (no compress= tag policy)")
+    errors = len(a.errors())  # the CUDA allocator is shared: only what this test adds counts
     torch.manual_seed(2)
     sizes = [64 * MiB, 32 * MiB, 16 * MiB]
     addrs = []
@@ -129,14 +130,17 @@ def test_sleep_and_wake_with_compression_keep_every_bit():
         for _ in range(2):
             torch.cuda.synchronize()
             a.sleep(["weights"])
-            held = a.host_bytes()
+            s = a.stats()
             a.wake_up(None)
             for v, w in zip(views, want):
                 assert torch.equal(v, w)
             # Raw, the backup is the 112 MiB; with the codec the bf16 and zero parts shrink (random stays raw).
-            assert held < 0.9 * raw, f"{held} bytes held for {raw} raw: the backup was not compressed"
+            # Read from the compressed backups' own counts: host_bytes() of the shared allocator also holds what
+            # other tests left cached or retained.
+            assert s["compressed_raw_bytes"] >= raw - 1, s
+            assert s["compressed_bytes"] < 0.9 * raw, f"{s['compressed_bytes']} bytes stored for {raw} raw: {s}"
     finally:
         for p in addrs:
             a.free(p)
         a.set_tag_policy("weights")
-        assert a.errors() == []
+        assert a.errors()[errors:] == []

@@ -41,18 +41,24 @@ def test_weights_pool_end_pins_ahead_and_the_first_sleep_uses_it(cumem):
     native.trim_host()
     assert cumem.pin_ahead, "on by default (unless CUMEM_RS_PIN_AHEAD=0)"
     errors = len(native.errors())
-    with cumem.use_memory_pool(tag="weights"):
-        w = torch.randint(0, 1 << 30, (64 * MiB // 4,), dtype=torch.int32, device="cuda")
-    status = native.pin_ahead_status()
-    assert status["nbytes"] >= 64 * MiB, status
-    _wait_done(native)
-    assert native.pin_ahead_status()["pinned"] == native.pin_ahead_status()["nbytes"]
-    expected = w.cpu()
-    cumem.sleep(offload_tags="weights")
-    cumem.wake_up()
-    assert torch.equal(w.cpu(), expected)
-    assert native.errors()[errors:] == []
-    del w
+    # Raw backups: pinning ahead then sizes for the raw bytes (for a compressing tag it sizes for the stored
+    # bytes the last compressed sleep's ratio predicts, which test_compression.py covers on the sim).
+    cumem.set_tag_policy("weights", compress="off")
+    try:
+        with cumem.use_memory_pool(tag="weights"):
+            w = torch.randint(0, 1 << 30, (64 * MiB // 4,), dtype=torch.int32, device="cuda")
+        status = native.pin_ahead_status()
+        assert status["nbytes"] >= 64 * MiB, status
+        _wait_done(native)
+        assert native.pin_ahead_status()["pinned"] == native.pin_ahead_status()["nbytes"]
+        expected = w.cpu()
+        cumem.sleep(offload_tags="weights")
+        cumem.wake_up()
+        assert torch.equal(w.cpu(), expected)
+        assert native.errors()[errors:] == []
+        del w
+    finally:
+        cumem.set_tag_policy("weights")
     settle()
 
 

@@ -113,6 +113,7 @@ def test_pause_resume_one_tag_and_status_on_the_way(clean_policies):
 def test_read_backup(clean_policies):
     a = clean_policies
     a.set_tag_policy("p_kv", backup=False)
+    a.set_tag_policy("p_weights", compress="off")  # raw: readable on the host on every driver (see below)
     w = _alloc_under(a, "p_weights", 8192, 0x44)
     a.write(w + 100, b"hello")
     kv = _alloc_under(a, "p_kv", 4096, 0x55)
@@ -129,6 +130,24 @@ def test_read_backup(clean_policies):
     a.resume()
     for addr in (w, kv):
         a.free(addr)
+
+
+def test_read_backup_of_a_compressed_backup(clean_policies):
+    """The sim's codec decodes on the host; a backup the GPU compressed (nvCOMP) only a wake restores: reading
+    it is a clear CumemError, and the backup stays intact for the resume."""
+    a = clean_policies
+    w = _alloc_under(a, "p_weights", 1 << 20, 0x44)
+    a.pause(["p_weights"])
+    try:
+        if a.backend == "sim" or a.stats()["codec"] is None:
+            assert a.read_backup(w, 16) == b"\x44" * 16
+        else:
+            with pytest.raises(CumemError, match="only a wake restores"):
+                a.read_backup(w, 16)
+    finally:
+        a.resume()
+    assert a.read(w, 16) == b"\x44" * 16
+    a.free(w)
 
 
 def test_sleep_without_tags_follows_policies(clean_policies):
