@@ -46,6 +46,16 @@ def test_a_cu12_wheel_says_12_and_wheels_in_two_sites_are_both_found(tmp_path: P
     assert (12, str(lib12)) in found and (13, str(lib13)) in found
 
 
+def test_a_wheel_is_found_beside_a_regular_nvidia_package(tmp_path: Path) -> None:
+    """torch's own nvidia wheels may make `nvidia` a regular package (with an __init__.py) in another directory,
+    earlier on the path: the nvCOMP wheel is still found."""
+    first, second = tmp_path / "first", tmp_path / "second"
+    (first / "nvidia").mkdir(parents=True)
+    (first / "nvidia" / "__init__.py").write_text("")
+    lib = _fake_wheel(second, 13)
+    assert (13, str(lib)) in _discover(first, second)
+
+
 def test_a_wheel_without_its_library_is_not_handed_over(tmp_path: Path) -> None:
     _fake_wheel(tmp_path, 13, with_library=False)
     assert all(not path.startswith(str(tmp_path)) for _, path in _discover(tmp_path))

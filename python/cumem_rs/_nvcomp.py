@@ -21,28 +21,29 @@ LIBRARY = os.path.join("libnvcomp", "lib64", "libnvcomp.so.6")
 def wheel_libraries() -> list[tuple[int, str]]:
     """(CUDA major, absolute path of libnvcomp.so.6) of every installed nvCOMP wheel whose library is there.
 
-    Cheap enough for `import cumem_rs`: it finds the `nvidia` namespace package without importing anything and
-    looks for the library and the wheels' .dist-info next to it (importlib.metadata alone costs more than that)."""
-    import importlib.util
+    Cheap enough for `import cumem_rs`: it looks in every entry of `sys.path` for `nvidia/libnvcomp/...` and the
+    wheels' .dist-info beside it, importing nothing (importlib.metadata alone costs more than that). Not through
+    the `nvidia` package: some of the nvidia wheels that torch installs make it a regular package (with an
+    `__init__.py`), and then its other directories are not part of it."""
+    import sys
 
-    try:
-        spec = importlib.util.find_spec("nvidia")
-    except (ImportError, ValueError):
-        return []
-    if spec is None or not spec.submodule_search_locations:
-        return []
     found = []
-    for package_dir in spec.submodule_search_locations:
-        lib = os.path.join(package_dir, LIBRARY)
+    seen = set()
+    for entry in sys.path:
+        site = os.path.abspath(entry or os.curdir)
+        if site in seen:
+            continue
+        seen.add(site)
+        lib = os.path.join(site, "nvidia", LIBRARY)
         if not os.path.isfile(lib):
             continue
         try:
-            names = os.listdir(os.path.dirname(package_dir))
+            names = os.listdir(site)
         except OSError:
             continue
         for major, prefix in WHEELS:
             if any(n.startswith(prefix) and n.endswith(".dist-info") for n in names):
-                found.append((major, os.path.abspath(lib)))
+                found.append((major, lib))
     return found
 
 
