@@ -615,3 +615,31 @@ def test_a_failed_compression_of_a_retained_compressed_backup_spills_what_its_ra
     finally:
         a.close()
 
+
+
+def test_a_compressed_sleep_into_a_larger_cached_arena_stays_within_the_host_budget():
+    """A compressed sleep whose blobs take a small part of the cached arena it was given moves them into an
+    arena of their size: the cached one it leaves must not stay held beside it past the budget."""
+    g = 64 << 10
+    a = Allocator.simulated(devices=1, capacity=64 << 20, granularity=g)
+    try:
+        a.set_host_budget(2 * g)
+        a.set_tag_policy("kv", compress="off")
+        kv_addr, kv = tensor(a, "kv", 2)
+        a.sleep("kv")  # raw: a 2-granule arena
+        a.wake_up(None)  # ... which stays cached
+        assert a.host_bytes() == 2 * g
+        a.free(kv_addr)
+        a.push_tag("weights")
+        try:
+            addr = a.malloc(g, 0)
+        finally:
+            a.pop_tag()
+        a.write(addr, bytes(g))  # zeros: a blob of a few bytes, in the 2-granule cached arena
+        a.sleep("weights")
+        assert a.stats()["compressed_raw_bytes"] == g
+        assert a.host_bytes() <= 2 * g
+        a.wake_up(None)
+        assert a.read(addr, g) == bytes(g)
+    finally:
+        a.close()
