@@ -546,14 +546,6 @@ def test_faulty_state_machine_with_a_small_budget_and_a_spill_dir():
     run_state_machine_as_test(_faulty_spilling_machine(), settings=settings(STATEFUL_SETTINGS, max_examples=100))
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="open (compressed backups x host budget, found when the two branches met): a sleep whose compression "
-    "fails (an injected codec fault) copies raw, also the allocations with a retained compressed backup, which "
-    "the tier plan did not count: the raw arena is then refused past the budget (CumemOutOfMemoryError with "
-    "nothing released) instead of spilling; and host_bytes() ends up to a few hundred bytes past a 2-granule "
-    "budget. No data is lost or stale (the wake verifies every chunk)",
-)
 def test_faulty_state_machine_with_a_small_budget_a_spill_dir_and_compression():
     run_state_machine_as_test(_faulty_spilling_machine(), settings=settings(STATEFUL_SETTINGS, max_examples=100))
 
@@ -614,7 +606,6 @@ def test_a_failed_compression_of_a_retained_compressed_backup_spills_what_its_ra
         assert a.read(small_addr, len(small)) == small
     finally:
         a.close()
-
 
 
 def test_a_compressed_sleep_into_a_larger_cached_arena_stays_within_the_host_budget():
