@@ -145,7 +145,7 @@ struct Placer<'s> {
     arenas: Vec<HostBuffer>,
     /// Bytes used in the last arena.
     used: usize,
-    /// Bytes of the arenas taken so far (counted against the budget before the next).
+    /// Bytes of the arenas taken so far, cached ones included (counted against the budget before the next).
     taken: usize,
     ratio: f64,
 }
@@ -170,10 +170,10 @@ impl Placer<'_> {
                     let (mut buf, fallback) = HostBuffer::acquire(&self.store.driver, size)?;
                     self.store.host.fallbacks.extend(fallback);
                     self.store.host.notes.append(&mut buf.notes);
-                    self.taken += size;
                     buf
                 }
             };
+            self.taken += buf.len();
             self.arenas.push(buf);
             self.used = 0;
         }
@@ -340,6 +340,13 @@ impl BackupStore {
         let arenas: Vec<Arc<HostBuffer>> = (placer.finish().into_iter())
             .map(|a| self.adopt(a, log))
             .collect();
+        // Under a budget, the host cache may now hold past it beside the arenas (the arena `finish` shrank, or
+        // one too large to take, went back to it): returned, so that `held()` stays within the budget.
+        if self.budget.is_some_and(|b| self.held() > b) {
+            if let Err(e) = self.host.trim() {
+                log.record("returning cached host backup memory", &e);
+            }
+        }
         self.record_host_fallbacks(log);
         let host_decode: Option<HostDecode> =
             (self.driver.backend() == "sim").then_some(crate::driver::sim_codec::decode);

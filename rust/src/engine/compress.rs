@@ -3,7 +3,9 @@
 //! At a sleep, the host-tier allocations of tags whose policy compresses are handed to the store's `pack` before
 //! any raw arena is taken: their backups are complete when it returns, so they are released with the
 //! allocations that need no backup. A failure of `pack` (prints, codec, host memory) changes nothing: it is
-//! recorded and those allocations are copied raw by the same sleep.
+//! recorded and those allocations are copied raw by the same sleep. The tier plan counted the fresh ones at
+//! their raw size, but not those with a retained compressed backup (split off before it): once those are to be
+//! copied raw, the caller plans the tiers again with them.
 
 use super::{Engine, Inner, Report};
 use crate::backups::{PackJob, PackedSleep, SleepPrints};
@@ -16,13 +18,14 @@ pub const COMPRESS_FELL_BACK: &str = "compressing backups (this sleep copied the
 impl Engine {
     /// Split the host-tier allocations `backed` into those the sleep compresses and the rest (returned), and
     /// compress the first with `retained` (allocations with a retained compressed backup). On failure everything
-    /// goes back to the raw path.
+    /// goes back to the raw path. Third: the allocations of `retained` that are now to be copied raw (their
+    /// retained backup dropped), which the tier plan has not counted.
     pub(super) fn pack_backups(
         &self,
         inner: &mut Inner,
         backed: Vec<DevPtr>,
         retained: Vec<DevPtr>,
-    ) -> (Vec<DevPtr>, PackedSleep) {
+    ) -> (Vec<DevPtr>, PackedSleep, Vec<DevPtr>) {
         let on = inner.backups.compressing();
         let kind_of = |inner: &Inner, addr: DevPtr| {
             let a = inner.reg.get(addr).expect("selected");
@@ -47,28 +50,24 @@ impl Engine {
         let (retained, uncompressed): (Vec<DevPtr>, Vec<DevPtr>) = retained
             .into_iter()
             .partition(|a| kind_of(inner, *a).is_some());
-        if !uncompressed.is_empty() {
-            inner.backups.drop_retained(&uncompressed);
-            raw.extend(uncompressed);
-        }
+        let mut unplanned = uncompressed;
+        inner.backups.drop_retained(&unplanned);
+        raw.sort_unstable();
         if jobs.is_empty() && retained.is_empty() {
-            raw.sort_unstable();
-            return (raw, PackedSleep::default());
+            return (raw, PackedSleep::default(), unplanned);
         }
         match inner
             .backups
             .pack(&inner.reg, &jobs, &retained, &mut inner.log)
         {
-            Ok(packed) => {
-                raw.sort_unstable();
-                (raw, packed)
-            }
+            Ok(packed) => (raw, packed, unplanned),
             Err(e) => {
                 inner.log.record(COMPRESS_FELL_BACK, &e);
                 inner.backups.drop_retained(&retained);
-                raw.extend(jobs.iter().map(|j| j.addr).chain(retained));
+                raw.extend(jobs.iter().map(|j| j.addr));
                 raw.sort_unstable();
-                (raw, PackedSleep::default())
+                unplanned.extend(retained);
+                (raw, PackedSleep::default(), unplanned)
             }
         }
     }

@@ -103,17 +103,32 @@ impl Engine {
 
         // 0. Which of the others go to a spill file (tag policies, the host budget): the directory's space, the
         //    file and the staging ring are had here, before anything is released.
-        let wanted: Vec<_> = (backed.iter())
-            .map(|addr| {
-                let a = inner.reg.get(*addr).expect("selected");
-                (a.addr, a.device, a.size, inner.policies.backup_tier(&a.tag))
-            })
-            .collect();
-        let (backed, spill) = inner.backups.plan_tiers(&wanted, &mut inner.log)?;
+        let (backed, spill) = Self::plan_tiers(inner, &backed)?;
 
         // 0b. Compress the host backups of tags that compress (complete when it returns; nothing released yet;
         //     on failure they are copied raw below).
-        let (backed, packed) = self.pack_backups(inner, backed, packed_retained);
+        let (mut backed, packed, unplanned) = self.pack_backups(inner, backed, packed_retained);
+        let mut spill = spill;
+        if !unplanned.is_empty() {
+            // Allocations whose retained compressed backup was dropped (a failed compression, a tag that no
+            // longer compresses) are copied raw, which the plan did not count: planned again with them, their
+            // blob arenas given back first (the first plan's file goes unused).
+            let mut again: Vec<DevPtr> = (backed.iter().copied())
+                .chain(spill.iter().flat_map(|p| p.jobs.iter().map(|j| j.addr)))
+                .chain(unplanned)
+                .collect();
+            again.sort_unstable();
+            drop(spill.take());
+            match Self::plan_tiers(inner, &again) {
+                Ok(plan) => (backed, spill) = plan,
+                Err(e) => {
+                    // Refused with nothing released: the compressed backups made go unused.
+                    drop(packed);
+                    inner.backups.collect_unused(&mut inner.log);
+                    return Err(e);
+                }
+            }
+        }
 
         // 1. The host arena for the backups made now (with step 0, the only steps that may still return early).
         let (jobs, total) = self.sleep_jobs(inner, &backed);
@@ -205,6 +220,20 @@ impl Engine {
         inner.counters.sleeps += 1;
         inner.counters.last_sleep = Some(report.clone());
         first_err.map_or(Ok(report), Err)
+    }
+
+    /// Which of `backed` go to a spill file (`BackupStore::plan_tiers`): (host tier, planned file sleep).
+    fn plan_tiers(
+        inner: &mut Inner,
+        backed: &[DevPtr],
+    ) -> Result<(Vec<DevPtr>, Option<FileSleep>)> {
+        let wanted: Vec<_> = (backed.iter())
+            .map(|addr| {
+                let a = inner.reg.get(*addr).expect("selected");
+                (a.addr, a.device, a.size, inner.policies.backup_tier(&a.tag))
+            })
+            .collect();
+        inner.backups.plan_tiers(&wanted, &mut inner.log)
     }
 
     /// The backups to make, laid out back to back in one arena, neighbours in one reservation marked so that
