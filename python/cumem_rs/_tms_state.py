@@ -15,9 +15,8 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-#: torch_memory_saver's tag and backend outside any region.
+#: torch_memory_saver's tag outside any region.
 DEFAULT_TAG = "default"
-DEFAULT_BACKEND = "pinned"
 
 
 @dataclass(frozen=True)

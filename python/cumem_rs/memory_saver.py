@@ -48,7 +48,7 @@ from . import _native, _preload
 from ._native import CumemError, CumemOutOfMemoryError, CumemTypeError, CumemValueError
 from ._pools import check_tag, new_pool, pool_activity, pool_block
 from ._tms_env import CPU_BACKUP_BACKENDS, TmsEnv, read_tms_env
-from ._tms_state import DEFAULT_BACKEND, DEFAULT_TAG, CState, Impl, RegionState, ThreadStates
+from ._tms_state import DEFAULT_TAG, CState, Impl, RegionState, ThreadStates
 
 if TYPE_CHECKING:
     from ._sim_pools import SimulatedPools
@@ -426,7 +426,7 @@ class TorchMemorySaver:
 
     def _default_backend(self) -> str:
         """A region's CPU backup backend when it names none: TMS_INIT_CPU_BACKUP_BACKEND, as there."""
-        return self._env.init_cpu_backup_backend if self._env is not None else DEFAULT_BACKEND
+        return self._env.init_cpu_backup_backend
 
     def _routed_state(self) -> Optional[RegionState]:
         """What this thread's allocations are routed as now; None when they are not routed."""
@@ -435,7 +435,7 @@ class TorchMemorySaver:
         if self._threads.regions:
             return self._threads.regions[-1]
         env = self._env
-        if env is not None and env.init_enable and self._preload:
+        if env.init_enable and self._preload:
             return RegionState(DEFAULT_TAG, env.init_enable_cpu_backup, env.init_cpu_backup_backend)
         return None
 

@@ -58,34 +58,24 @@ impl BackupStore {
         }
         let mut order: Vec<(usize, Vec<DevPtr>)> = by_arena.into_values().collect();
         order.sort_by_key(|(len, _)| std::cmp::Reverse(*len));
+        // Retained compressed backups last, all together: their blobs lie in blob arenas that several backups
+        // share, so only dropping them all frees those arenas (the ones no asleep backup uses are given back).
+        let packed: Vec<DevPtr> = (self.retention.backups())
+            .filter(|(_, b)| b.packed().is_some())
+            .map(|(addr, _)| addr)
+            .collect();
+        order.extend((!packed.is_empty()).then_some((0, packed)));
         for (_, addrs) in order {
             if self.held() <= budget {
                 break;
             }
             log::debug!(
-                "backup store: dropping {} retained host backups past the host budget",
+                "backup store: dropping {} retained backups past the host budget",
                 addrs.len()
             );
             self.retention.drop(&addrs);
             self.give_back_unused(log);
             self.host.trim()?;
-        }
-        // Retained compressed backups: their blobs lie in blob arenas that several backups share, so they go
-        // all together when the raw ones were not enough (the arenas no asleep backup uses are given back).
-        if self.held() > budget {
-            let packed: Vec<DevPtr> = (self.retention.backups())
-                .filter(|(_, b)| b.packed().is_some())
-                .map(|(addr, _)| addr)
-                .collect();
-            if !packed.is_empty() {
-                log::debug!(
-                    "backup store: dropping {} retained compressed backups past the host budget",
-                    packed.len()
-                );
-                self.retention.drop(&packed);
-                self.give_back_unused(log);
-                self.host.trim()?;
-            }
         }
         Ok(())
     }
