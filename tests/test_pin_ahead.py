@@ -68,6 +68,7 @@ def _refused_then_fits(a: Allocator, allocs: list[tuple[int, bytes]]) -> str:
     return str(err.value)
 
 
+@pytest.mark.usefixtures("raw_backups")  # raw bytes past the budget (these compress to fit it)
 def test_sleep_past_the_host_budget_raises_and_keeps_everything_awake():
     a = _sim(host_memory=6 * GRAN)
     allocs = _fill(a, [4 * GRAN, 4 * GRAN])

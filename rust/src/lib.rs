@@ -19,6 +19,7 @@ pub mod logbuf;
 pub mod preload;
 pub mod registry;
 pub mod tags;
+pub mod timing;
 pub mod transfer;
 
 #[cfg(feature = "python")]

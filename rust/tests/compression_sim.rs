@@ -207,6 +207,52 @@ fn a_wake_that_cannot_decompress_or_restores_wrong_bytes_fails_whole_and_a_later
 }
 
 #[test]
+fn a_wake_maps_compressed_allocations_while_the_ones_before_are_restored_and_a_failed_map_fails_it_whole(
+) {
+    for op in [Op::Create, Op::Map, Op::SetAccess] {
+        let (sim, e) = engine(1, 64 << 20);
+        let data: Vec<Vec<u8>> = (0..3).map(|i| bf16_like(4 * GRAN, 20 + i)).collect();
+        let addrs: Vec<u64> = data.iter().map(|d| weights(&e, d)).collect();
+        // Not neighbours of one run: each allocation is mapped on its own, just before it is restored.
+        e.set_wake_group_bytes(0).unwrap();
+        e.sleep(&["weights"]).unwrap();
+        let mapped = sim.counts().mapped_bytes;
+        let restored = || {
+            sim.inner()
+                .codec_counts()
+                .decompressed
+                .load(Ordering::Relaxed)
+        };
+        let before = restored();
+        // The third allocation's map fails: by then the first two were restored.
+        sim.inject_fault(op, 3, CUDA_ERROR_UNKNOWN).unwrap();
+        e.wake(None::<&[&str]>).unwrap_err();
+        let first_try = restored() - before;
+        let s = e.stats();
+        assert_eq!(
+            s.asleep_allocations, 3,
+            "{op:?}: every allocation stays asleep"
+        );
+        assert_eq!(
+            sim.counts().mapped_bytes,
+            mapped,
+            "{op:?}: what it mapped is released"
+        );
+        e.wake(None::<&[&str]>).unwrap();
+        let all = restored() - before - first_try;
+        assert!(
+            first_try > 0 && first_try * 3 == all * 2,
+            "{op:?}: the chunks of the two allocations before it were restored first ({first_try} of {all})"
+        );
+        for (a, d) in addrs.iter().zip(&data) {
+            assert!(e.read(*a, d.len()).unwrap() == *d, "{op:?}: {a:#x}");
+        }
+        e.close().unwrap();
+        assert_no_leaks(&sim);
+    }
+}
+
+#[test]
 fn compress_off_by_policy_or_by_configuration_keeps_backups_raw() {
     let (sim, e) = engine(1, 64 << 20);
     e.set_tag_policy(

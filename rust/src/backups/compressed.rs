@@ -33,14 +33,22 @@ use crate::registry::Registry;
 pub const MAX_RANGE: usize = 2 << 20;
 
 /// The ratio assumed before any sleep measured one (bf16 weights: ~0.67).
-pub(super) const FIRST_RATIO_GUESS: f64 = 0.75;
+pub(super) const FIRST_RATIO_GUESS: f64 = 0.69;
 
 /// Smallest arena taken for blobs: a few pages, so that a small backup does not hold more than its raw size.
 const MIN_ARENA: usize = 64 << 10;
 
-/// Largest arena taken for blobs: the estimate's error is then at most one arena's tail, which `finish` moves
-/// into an arena of its exact size when it is large (a host copy of at most this much).
+/// Largest arena taken for blobs after a sleep's first one (which takes the whole estimate: see `Placer::place`),
+/// and largest tail `finish` moves into an arena of its exact size (a host copy of at most this much).
 const MAX_ARENA: usize = 256 << 20;
+
+/// Room over the estimate for a sleep's first arena: the last sleep's ratio is close for weights that changed
+/// little; data that compresses worse than that gets further arenas for the rest.
+const ESTIMATE_SLACK: f64 = 1.03;
+
+/// A cached arena is taken when it is at most this much larger than what the placer asks for; a larger one is
+/// returned to the OS first (holding it beside a new arena would double the RAM, using it would hold its size).
+const CACHED_SLACK: f64 = 1.06;
 
 /// Decodes a blob on the host, where the codec's format allows it (the simulated driver's): `read_backup` of a
 /// compressed backup. None on CUDA, whose blobs only a wake restores.
@@ -155,19 +163,37 @@ impl Placer<'_> {
     fn place(&mut self, len: usize, rest_raw: usize) -> Result<(usize, usize)> {
         let fits = (self.arenas.last()).is_some_and(|a| a.len() - self.used >= len);
         if !fits {
-            let estimate = (rest_raw as f64 * self.ratio * 1.05) as usize;
-            let size = estimate.clamp(MIN_ARENA, MAX_ARENA).max(len);
-            // The cached arena (pinned ahead, or kept from an earlier sleep) when it is not much larger than needed.
+            let estimate = (rest_raw as f64 * self.ratio * ESTIMATE_SLACK) as usize;
+            // The first arena holds the whole estimate, as the raw path's one arena does: the next sleep of the same
+            // weights finds it in the host cache (where the wake left it) and pins nothing. Arenas of 256 MiB
+            // pinned afresh each sleep and unpinned at each wake cost more than the copies (H200: a compressed
+            // sleep of 15 GiB at 0.38x of the link).
+            let size = if self.arenas.is_empty() {
+                estimate.max(MIN_ARENA)
+            } else {
+                estimate.clamp(MIN_ARENA, MAX_ARENA)
+            }
+            .max(len);
             let buf = match self.store.host.take_cached(size) {
-                Some(b) if b.len() <= 2 * size => b,
+                Some(b) if b.len() as f64 <= size as f64 * CACHED_SLACK => b,
                 other => {
-                    if let Some(b) = other {
-                        let _ = self.store.host.cache(b); // as it was
-                    }
                     const REFUSED: &str = "compressed backup (this sleep copies it raw instead)";
+                    if let Some(b) = other {
+                        // Too large to hold for this: back to the OS before a new one is pinned (the pool's own
+                        // `acquire` does the same with cached buffers too small).
+                        if let Err((b, e)) = b.release() {
+                            let _ = self.store.host.cache(*b);
+                            return Err(e);
+                        }
+                    }
                     self.store.check_budget(self.taken + size, REFUSED)?;
                     self.store.room.check(size, REFUSED)?;
+                    let t = std::time::Instant::now();
                     let (mut buf, fallback) = HostBuffer::acquire(&self.store.driver, size)?;
+                    log::debug!(
+                        "compressed sleep: pinned a blob arena of {size} bytes in {:.1} ms",
+                        t.elapsed().as_secs_f64() * 1e3
+                    );
                     self.store.host.fallbacks.extend(fallback);
                     self.store.host.notes.append(&mut buf.notes);
                     buf
@@ -191,7 +217,9 @@ impl Placer<'_> {
             return self.arenas;
         };
         let (len, used) = (last.len(), self.used);
-        if used == 0 || len - used <= (len / 8).max(MIN_ARENA) {
+        // A large first arena keeps its slack: moving gigabytes would cost more than the bytes it frees, and the
+        // next sleep's estimate (this sleep's ratio) sizes it closely.
+        if used == 0 || used > MAX_ARENA || len - used <= (len / 8).max(MIN_ARENA) {
             return self.arenas;
         }
         let Ok((mut exact, fallback)) = HostBuffer::acquire(&self.store.driver, used) else {
@@ -271,7 +299,9 @@ impl BackupStore {
                 .clone();
             all.push((addr, a.device, a.size, old.kind, Some(old)));
         }
+        let t = std::time::Instant::now();
         let prints = self.prints_now(&all, chunk)?;
+        let prints_ms = t.elapsed().as_secs_f64() * 1e3;
 
         // The chunks to compress, per device and kind, in order: (allocation index, chunk index).
         let mut todo: HashMap<(i32, DataKind), Vec<(usize, usize)>> = HashMap::new();
@@ -337,6 +367,7 @@ impl BackupStore {
                 made.insert((n, i), (places[k].0, places[k].1, stored[k]));
             }
         }
+        let t = std::time::Instant::now();
         let arenas: Vec<Arc<HostBuffer>> = (placer.finish().into_iter())
             .map(|a| self.adopt(a, log))
             .collect();
@@ -348,6 +379,10 @@ impl BackupStore {
             }
         }
         self.record_host_fallbacks(log);
+        log::debug!(
+            "compressed sleep: prints {prints_ms:.1} ms, finish arenas {:.1} ms",
+            t.elapsed().as_secs_f64() * 1e3
+        );
         let host_decode: Option<HostDecode> =
             (self.driver.backend() == "sim").then_some(crate::driver::sim_codec::decode);
         for (n, (addr, _, size, kind, old)) in all.into_iter().enumerate() {
@@ -412,12 +447,19 @@ impl BackupStore {
         Ok(prints)
     }
 
-    /// Wake, once every allocation of `placed` ((device, addr), asleep) is mapped: restore those with a
-    /// compressed backup and verify them against their sleep's prints. Returns (raw bytes, stored bytes).
+    /// Whether `addr` is asleep with a compressed backup (a wake may map it while earlier ones are restored).
+    pub fn has_packed_backup(&self, addr: DevPtr) -> bool {
+        self.asleep.get(&addr).and_then(Backup::packed).is_some()
+    }
+
+    /// Wake: restore the allocations of `placed` ((device, addr), asleep) that have a compressed backup and verify
+    /// them against their sleep's prints. Each is mapped by then, or mapped by `ready(addr)`, which is called
+    /// before anything writes it (an error from it fails the restore). Returns (raw bytes, stored bytes).
     pub fn restore_packed(
         &self,
         placed: &[(i32, DevPtr)],
         reg: &Registry,
+        ready: &mut dyn FnMut(DevPtr) -> Result<()>,
     ) -> Result<(usize, usize)> {
         let mut per_device: HashMap<i32, Vec<(DevPtr, &Packed)>> = HashMap::new();
         for &(dev, addr) in placed {
@@ -437,7 +479,10 @@ impl BackupStore {
         for (dev, allocs) in per_device {
             let mut items = Vec::new();
             let mut chunks = Vec::new();
+            // The allocation each item starts, at its first item.
+            let mut starts: HashMap<usize, DevPtr> = HashMap::new();
             for &(addr, p) in &allocs {
+                starts.insert(items.len(), addr);
                 let size = reg.get(addr).expect("selected").size;
                 for (i, blob) in p.blobs.iter().enumerate() {
                     let (off, len) = p.chunk_range(i, size);
@@ -453,7 +498,12 @@ impl BackupStore {
                 raw += size;
                 stored += p.stored_bytes();
             }
-            codec.decompress_from_host(dev, &items).map_err(|e| {
+            let t = std::time::Instant::now();
+            let decompressed = codec.decompress_from_host(dev, &items, &mut |i| {
+                starts.get(&i).map_or(Ok(()), |addr| ready(*addr))
+            });
+            let verify_start = std::time::Instant::now();
+            decompressed.map_err(|e| {
                 let addrs: Vec<String> = allocs.iter().map(|(a, _)| format!("{a:#x}")).collect();
                 naming(
                     e,
@@ -465,6 +515,12 @@ impl BackupStore {
                 )
             })?;
             let fps = take_prints(&*self.driver, dev, &chunks)?;
+            log::debug!(
+                "compressed wake on device {dev}: {} items, decompress {:.1} ms, prints {:.1} ms",
+                items.len(),
+                (verify_start - t).as_secs_f64() * 1e3,
+                verify_start.elapsed().as_secs_f64() * 1e3
+            );
             let mut at = 0;
             for (addr, p) in allocs {
                 let a = reg.get(addr).expect("selected");

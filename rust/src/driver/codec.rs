@@ -37,6 +37,9 @@ pub struct Stored {
     pub raw: bool,
 }
 
+/// `decompress_from_host`'s hook: called with an item's index before its range is written.
+pub type ReadyFn<'a> = dyn FnMut(usize) -> Result<()> + 'a;
+
 /// One blob to restore at wake.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct RestoreItem {
@@ -77,7 +80,15 @@ pub trait DeviceCodec: Send + Sync {
         place: &mut PlaceFn<'_>,
     ) -> Result<Vec<Stored>>;
 
-    /// Restore every item's blob into its device range. On error the device ranges hold undefined bytes (the
-    /// caller fails the wake and keeps the blobs); the blobs themselves are never changed.
-    fn decompress_from_host(&self, device: i32, items: &[RestoreItem]) -> Result<()>;
+    /// Restore every item's blob into its device range. `ready(i)` is called for each item, in order, before
+    /// anything that writes item `i`'s range is queued: the caller may map that range only then, so that its maps
+    /// run while the items before it are copied and decompressed; an error from it ends the call with that
+    /// error. On error the device ranges hold undefined bytes (the caller fails the wake and keeps the blobs); the
+    /// blobs themselves are never changed.
+    fn decompress_from_host(
+        &self,
+        device: i32,
+        items: &[RestoreItem],
+        ready: &mut ReadyFn<'_>,
+    ) -> Result<()>;
 }

@@ -13,7 +13,7 @@ use std::sync::OnceLock;
 
 use cudarc::driver::sys::{self, CUresult};
 
-use super::codec::{DataKind, DeviceCodec, PlaceFn, RestoreItem, Stored};
+use super::codec::{DataKind, DeviceCodec, PlaceFn, ReadyFn, RestoreItem, Stored};
 use super::cuda_check::check;
 use super::cuda_codec::{self, CodecRing};
 use super::cuda_fingerprint::FingerprintKernel;
@@ -641,9 +641,14 @@ impl DeviceCodec for CudaDriver {
         ring.compress(st.copy_stream, ranges, kind, place)
     }
 
-    fn decompress_from_host(&self, device: i32, items: &[RestoreItem]) -> Result<()> {
+    fn decompress_from_host(
+        &self,
+        device: i32,
+        items: &[RestoreItem],
+        ready: &mut ReadyFn<'_>,
+    ) -> Result<()> {
         let (st, _ctx) = self.enter(device)?;
         let ring = (st.codec.as_ref()).map_err(|why| cuda_codec::no_ring(false, device, why))?;
-        ring.decompress(st.copy_stream, items)
+        ring.decompress(st.copy_stream, items, ready)
     }
 }

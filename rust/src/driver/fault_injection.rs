@@ -8,7 +8,7 @@ use std::collections::HashMap;
 
 use parking_lot::Mutex;
 
-use super::codec::{DataKind, DeviceCodec, PlaceFn, RestoreItem, Stored};
+use super::codec::{DataKind, DeviceCodec, PlaceFn, ReadyFn, RestoreItem, Stored};
 use super::{copy_from_slice, copy_to_slice, DevPtr, DeviceInfo, Driver, HostPtr, Op, PhysHandle};
 use crate::error::{cuda_code, Error, Result};
 use crate::fingerprint::Fingerprint;
@@ -301,13 +301,18 @@ impl<D: Driver> DeviceCodec for FaultInjector<D> {
         codec.compress_to_host(device, ranges, kind, place)
     }
 
-    fn decompress_from_host(&self, device: i32, items: &[RestoreItem]) -> Result<()> {
+    fn decompress_from_host(
+        &self,
+        device: i32,
+        items: &[RestoreItem],
+        ready: &mut ReadyFn<'_>,
+    ) -> Result<()> {
         self.enter(Op::Decompress)?;
         let codec = self
             .inner
             .codec()
             .expect("offered only with the inner codec");
-        codec.decompress_from_host(device, items)?;
+        codec.decompress_from_host(device, items, ready)?;
         if self.enter(Op::CorruptDecompress).is_err() {
             if let Some(first) = items.first().filter(|it| it.raw_len > 0) {
                 let mut byte = [0u8];

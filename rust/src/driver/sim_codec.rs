@@ -17,7 +17,7 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use super::codec::{DataKind, PlaceFn, RestoreItem, Stored, RAW_RATIO};
+use super::codec::{DataKind, PlaceFn, ReadyFn, RestoreItem, Stored, RAW_RATIO};
 use super::{copy_from_slice, copy_to_slice, DevPtr, Driver, HostPtr};
 use crate::error::{cuda_code, Error, Result};
 
@@ -236,9 +236,11 @@ pub fn decompress_items(
     counts: &SimCodecCounts,
     device: i32,
     items: &[RestoreItem],
+    ready: &mut ReadyFn<'_>,
 ) -> Result<()> {
     let mut raw = Vec::new();
-    for it in items {
+    for (i, it) in items.iter().enumerate() {
+        ready(i)?;
         // SAFETY: the blob lies at `src` for `stored.len` bytes and is not written while it is restored (the
         // trait's contract: the store keeps its blobs alive and unchanged until it drops the backup).
         let blob = unsafe { std::slice::from_raw_parts(it.src.0 as *const u8, it.stored.len) };

@@ -18,10 +18,13 @@
 
 use std::collections::HashMap;
 
+use super::pending::PendingReleases;
 use super::{Engine, Inner, Report};
 use crate::backups::Backup;
-use crate::driver::{DevPtr, PhysHandle};
+use crate::driver::{DevPtr, Driver, PhysHandle};
 use crate::error::{Error, Result};
+use crate::error_log::ErrorLog;
+use crate::registry::Registry;
 use crate::registry::{Backing, State};
 
 /// Largest group formed at wake (bytes). 32 MiB turns 6144 allocations of 2 MiB into 384 handles (measured
@@ -141,19 +144,10 @@ impl Engine {
     /// Map new physical memory under one run of asleep allocations: their own handle for a run of one, else one
     /// handle of the run's total size mapped once over it. Undoes its own steps on failure.
     pub(super) fn map_run(&self, inner: &mut Inner, run: &[DevPtr]) -> Result<Mapped> {
-        let first = inner.reg.get(run[0]).expect("selected");
-        let (device, addr) = (first.device, first.addr);
-        let size = run
-            .iter()
-            .map(|a| inner.reg.get(*a).expect("selected").size)
-            .sum();
-        let handle = self.map_new(inner, device, addr, size)?;
-        Ok(Mapped {
-            addr,
-            size,
-            handle,
-            members: run.to_vec(),
-        })
+        let Inner {
+            reg, pending, log, ..
+        } = inner;
+        map_run_in(&*self.driver, reg, pending, log, run)
     }
 
     /// Mark a wake's mapped runs awake: a run of one on its own handle, a longer run as a new group.
@@ -272,4 +266,27 @@ impl Engine {
         );
         inner.pending.queue_release(g.addr, g.size, g.handle);
     }
+}
+
+/// `Engine::map_run` on the parts of the engine state it uses (see `map_new_in`).
+pub(super) fn map_run_in(
+    driver: &dyn Driver,
+    reg: &Registry,
+    pending: &mut PendingReleases,
+    log: &mut ErrorLog,
+    run: &[DevPtr],
+) -> Result<Mapped> {
+    let first = reg.get(run[0]).expect("selected");
+    let (device, addr) = (first.device, first.addr);
+    let size = run
+        .iter()
+        .map(|a| reg.get(*a).expect("selected").size)
+        .sum();
+    let handle = super::map_new_in(driver, pending, log, device, addr, size)?;
+    Ok(Mapped {
+        addr,
+        size,
+        handle,
+        members: run.to_vec(),
+    })
 }

@@ -407,17 +407,8 @@ impl Engine {
         addr: DevPtr,
         size: usize,
     ) -> Result<PhysHandle> {
-        let handle = self.driver.create(device, size)?;
-        if let Err(e) = self.driver.map(addr, size, handle) {
-            self.release_or_queue(inner, handle);
-            return Err(e);
-        }
-        if let Err(e) = self.driver.set_access(device, addr, size) {
-            self.unmap_or_queue(inner, addr, size);
-            self.release_or_queue(inner, handle);
-            return Err(e);
-        }
-        Ok(handle)
+        let Inner { pending, log, .. } = inner;
+        map_new_in(&*self.driver, pending, log, device, addr, size)
     }
 
     /// unmap + release. A failed unmap changes nothing and is returned; a failed release is queued.
@@ -495,4 +486,27 @@ impl Drop for Engine {
         self.alive.store(false, Ordering::Relaxed);
         tags::forget_tags(self.id);
     }
+}
+
+/// `Engine::map_new` on the parts of the engine state it uses, for a caller that holds another part (a wake
+/// mapping allocations from inside the backup store's compressed restore).
+fn map_new_in(
+    driver: &dyn Driver,
+    pending: &mut PendingReleases,
+    log: &mut ErrorLog,
+    device: i32,
+    addr: DevPtr,
+    size: usize,
+) -> Result<PhysHandle> {
+    let handle = driver.create(device, size)?;
+    if let Err(e) = driver.map(addr, size, handle) {
+        pending.release_or_queue(driver, log, handle);
+        return Err(e);
+    }
+    if let Err(e) = driver.set_access(device, addr, size) {
+        pending.unmap_or_queue(driver, log, addr, size);
+        pending.release_or_queue(driver, log, handle);
+        return Err(e);
+    }
+    Ok(handle)
 }

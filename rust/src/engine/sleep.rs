@@ -3,6 +3,8 @@
 use std::sync::Arc;
 use std::time::Instant;
 
+use crate::timing::Phases;
+
 use super::policy::Policies;
 use super::{tag_set, Engine, Inner, Report};
 use crate::backups::{Backup, FileRewrite, FileSleep, SleepArena, SleepPrints, THREAD_REFUSED};
@@ -81,7 +83,10 @@ impl Engine {
         if targets.is_empty() {
             return Ok(Report::default());
         }
+        let mut phases = Phases::new("engine sleep");
+        let t = Instant::now();
         self.synchronize_devices(inner, &targets)?;
+        let t = phases.add("synchronize", t);
         let mut report = Report::default();
         // Not offloaded this time: a retained backup of these would go stale.
         inner.backups.drop_retained(&bare);
@@ -104,10 +109,12 @@ impl Engine {
         // 0. Which of the others go to a spill file (tag policies, the host budget): the directory's space, the
         //    file and the staging ring are had here, before anything is released.
         let (backed, spill) = Self::plan_tiers(inner, &backed)?;
+        let t = phases.add("plan", t);
 
         // 0b. Compress the host backups of tags that compress (complete when it returns; nothing released yet;
         //     on failure they are copied raw below).
         let (mut backed, packed, unplanned) = self.pack_backups(inner, backed, packed_retained);
+        let t = phases.add("compress", t);
         let mut spill = spill;
         if !unplanned.is_empty() {
             // Allocations whose retained compressed backup was dropped (a failed compression, a tag that no
@@ -145,6 +152,7 @@ impl Engine {
             },
         };
         let cold = arena.as_ref().is_some_and(|b| b.unpinned_below(total) > 0);
+        let t = phases.add("arena", t);
 
         // 2. Fingerprint every offloaded allocation, first on the copy streams so that the result does not wait
         //    for the copies: the retained ones to find their changed chunks, all to let the next sleep skip.
@@ -157,6 +165,7 @@ impl Engine {
                 .backups
                 .begin_sleep_prints(&inner.reg, retained, &fresh, &mut inner.log);
 
+        let t = phases.add("prints", t);
         // 3. Queue the backup copies.
         let mut first_err = None;
         let mut copies = SleepCopies::default();
@@ -170,6 +179,7 @@ impl Engine {
                 .backups
                 .issue_changed_chunks(&inner.reg, &mut prints, &mut inner.log);
         let changed_ok = changed_queued.is_ok();
+        let t = phases.add("queue copies", t);
         if let Err(e) = changed_queued {
             first_err.get_or_insert(e);
         }
@@ -181,6 +191,7 @@ impl Engine {
             }
         }
         self.release_packed(inner, packed, &mut prints, &mut report, &mut first_err);
+        let t = phases.add("release", t);
 
         // 6. As the remaining cells finish, release the allocations whose backup is complete.
         if let (Some(rel), Some(flight)) = (copies.cells.as_mut(), copies.issued.as_mut()) {
@@ -189,6 +200,7 @@ impl Engine {
             }
         }
         drop(copies.issued.take()); // after a failure: waits for the copy streams too
+        let t = phases.add("copies and releases", t);
 
         // 6b. The file tier, once the host copies are done (nothing more after a failure): device -> staging ring
         //     -> file, each allocation released once all its bytes are written.
@@ -206,8 +218,11 @@ impl Engine {
         // 7. Once their changed chunks are on the host, release the allocations with a retained backup.
         self.release_retained(inner, prints, changed_ok, &mut report, &mut first_err);
         Self::abandon_incomplete_groups(inner);
+        let t = phases.add("files and retained", t);
         drop(copies);
         inner.backups.collect_unused(&mut inner.log);
+        phases.add("collect unused", t);
+        phases.log();
         report.seconds = start.elapsed().as_secs_f64();
         log::debug!(
             "engine sleep: {} allocations, {} bytes backed up ({}), {} bytes released without backup, {:.3} s",

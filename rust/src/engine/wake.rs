@@ -2,7 +2,11 @@
 
 use std::time::Instant;
 
-use super::group::Mapped;
+use crate::timing::Phases;
+
+use std::collections::HashMap;
+
+use super::group::{map_run_in, Mapped};
 use super::{tag_set, Engine, Inner, Report};
 use crate::backups::Backup;
 use crate::driver::DevPtr;
@@ -35,9 +39,19 @@ impl Engine {
             ..Report::default()
         };
         let mut mapped: Vec<Mapped> = Vec::new();
-        let result = self.map_and_restore(inner, &targets, backed, &mut mapped, &mut report);
+        let mut phases = Phases::new("engine wake");
+        let result = self.map_and_restore(
+            inner,
+            &targets,
+            backed,
+            &mut mapped,
+            &mut report,
+            &mut phases,
+        );
         // Wait even after a failure: no copy may still be writing when the rollback unmaps.
+        let t = Instant::now();
         let result = self.wait_devices(inner, &targets, result);
+        let t = phases.add("wait", t);
         if let Err(e) = result {
             self.rollback_wake(inner, &mapped);
             return Err(e);
@@ -48,7 +62,10 @@ impl Engine {
             .collect();
         self.commit_mapped(inner, mapped);
         inner.backups.bind_restored(restored);
+        let t = phases.add("commit", t);
         inner.backups.collect_unused(&mut inner.log);
+        phases.add("collect unused", t);
+        phases.log();
         Self::note_peak(inner);
         report.seconds = start.elapsed().as_secs_f64();
         log::debug!(
@@ -76,11 +93,19 @@ impl Engine {
         backed: usize,
         mapped: &mut Vec<Mapped>,
         report: &mut Report,
+        phases: &mut Phases,
     ) -> Result<()> {
+        let t = Instant::now();
         // Neighbours of one tag are mapped together on one handle (group.rs); backed-up and bare allocations
         // never share a run, so the copies can start before the bare ones are mapped.
         let backed_runs = Self::wake_runs(inner, &targets[..backed]);
         let bare_runs = Self::wake_runs(inner, &targets[backed..]);
+        // Runs restored from compressed backups alone are mapped from inside the codec's restore, each just before
+        // it is written, so that their maps run under the copies and kernels of the ones before (H200: 15 GiB of
+        // weights took 20 ms of maps before the first blob moved).
+        let (deferred, backed_runs): (Vec<Vec<DevPtr>>, Vec<Vec<DevPtr>>) = (backed_runs
+            .into_iter())
+        .partition(|run| run.iter().all(|a| inner.backups.has_packed_backup(*a)));
         if Self::devices_of(inner, &targets[..backed]).len() <= 1 {
             // Each run's copies are queued right after its map: the copies start after the first map instead of
             // the last, and the driver calls (which do not wait for copies in flight on their device) run under
@@ -100,6 +125,7 @@ impl Engine {
                 report.copied_bytes += self.restore(inner, run)?;
             }
         }
+        let t = phases.add("map and queue copies", t);
         // Backups in spill files: file -> staging ring -> device while the host copies above run (every copy of
         // the ring waited for inside; a read error fails the wake like a failed copy).
         let read = if inner.backups.file_bytes() == 0 {
@@ -124,13 +150,45 @@ impl Engine {
         let placed: Vec<(i32, DevPtr)> = (targets[..backed].iter())
             .map(|a| (inner.reg.get(*a).expect("selected").device, *a))
             .collect();
-        let (raw, stored) = inner.backups.restore_packed(&placed, &inner.reg)?;
+        let t = phases.add("files", t);
+        let run_of: HashMap<DevPtr, usize> = (deferred.iter().enumerate())
+            .flat_map(|(r, run)| run.iter().map(move |a| (*a, r)))
+            .collect();
+        let mut is_mapped = vec![false; deferred.len()];
+        let Inner {
+            backups,
+            reg,
+            pending,
+            log,
+            ..
+        } = &mut *inner;
+        let driver = &*self.driver;
+        let mut ready = |addr: DevPtr| -> Result<()> {
+            match run_of.get(&addr) {
+                Some(&r) if !is_mapped[r] => {
+                    is_mapped[r] = true;
+                    mapped.push(map_run_in(driver, reg, pending, log, &deferred[r])?);
+                    Ok(())
+                }
+                _ => Ok(()),
+            }
+        };
+        let (raw, stored) = backups.restore_packed(&placed, reg, &mut ready)?;
+        // Every deferred run had its allocations restored, so it is mapped; should one not be, it is mapped now
+        // (without contents a wake would leave it unmapped and awake).
+        for (r, run) in deferred.iter().enumerate() {
+            if !is_mapped[r] {
+                mapped.push(self.map_run(inner, run)?);
+            }
+        }
+        let t = phases.add("compressed", t);
         report.copied_bytes += raw;
         report.raw_bytes += raw;
         report.stored_bytes += stored;
         for run in &bare_runs {
             mapped.push(self.map_run(inner, run)?);
         }
+        let t = phases.add("map bare", t);
         // Zero what its tag's policy asks for: queued on the copy stream after the restore copies and after every
         // map (a fill queued between maps would make later maps wait for it), covered by the caller's wait.
         for addr in &targets[backed..] {
@@ -141,6 +199,7 @@ impl Engine {
                 report.zeroed_bytes += a.size;
             }
         }
+        phases.add("zero", t);
         Ok(())
     }
 

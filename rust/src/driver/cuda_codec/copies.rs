@@ -48,6 +48,10 @@ impl D2hCopies {
         }
     }
 
+    pub fn len(&self) -> usize {
+        self.sizes.len()
+    }
+
     /// Queue every copy on `stream` (device `device`'s) and forget them.
     ///
     /// # Safety

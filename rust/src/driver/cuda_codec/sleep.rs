@@ -1,6 +1,8 @@
 //! Sleep through the ring: ranges compressed batch by batch into slots on the codec stream, their blobs copied
 //! device->host on the copy stream while the next batch compresses (see the parent module).
 
+use std::time::Instant;
+
 use cudarc::driver::sys;
 
 use super::blob::Header;
@@ -13,6 +15,7 @@ use crate::driver::codec::{DataKind, PlaceFn, Stored, RAW_RATIO};
 use crate::driver::cuda_check::check;
 use crate::driver::{nvcomp, DevPtr};
 use crate::error::Result;
+use crate::timing::Phases;
 
 impl CodecRing {
     /// Compress `ranges` to host blobs (the trait's `compress_to_host`), `copy` being the device's copy stream.
@@ -23,10 +26,14 @@ impl CodecRing {
         kind: DataKind,
         place: &mut PlaceFn<'_>,
     ) -> Result<Vec<Stored>> {
+        let mut phases = Phases::new("nvcomp compress");
         let mut work = self.work.lock();
-        let result = self.compress_locked(&mut work, copy, ranges, kind, place);
+        let result = self.compress_locked(&mut work, copy, ranges, kind, place, &mut phases);
         // Synchronous by contract, and on error no copy may still write into placed memory.
+        let t = Instant::now();
         let drained = self.drain(&mut work, copy);
+        phases.add("drain", t);
+        phases.log();
         let stored = result?;
         drained.map(|()| stored)
     }
@@ -38,8 +45,10 @@ impl CodecRing {
         ranges: &[(DevPtr, usize)],
         kind: DataKind,
         place: &mut PlaceFn<'_>,
+        phases: &mut Phases,
     ) -> Result<Vec<Stored>> {
         let (ty, width) = data_type(kind);
+        let (mut raw_in, mut stored_out, mut n_copies) = (0usize, 0usize, 0usize);
         let mut stored = Vec::with_capacity(ranges.len());
         let mut copies = D2hCopies::default();
         let (mut start, mut batch) = (0, 0);
@@ -52,12 +61,15 @@ impl CodecRing {
             }
             let slot = &work.slots[batch % SLOTS];
             // The copies out of this slot's previous batch are done: its area and table may be reused.
+            let t = Instant::now();
             event_sync(slot.done)?;
+            phases.add("slot wait", t);
             let sizes = if chunks > 0 {
-                self.compress_batch(slot, ty, &ranges[start..end], width, chunks)?
+                self.compress_batch(slot, ty, &ranges[start..end], width, chunks, phases)?
             } else {
                 Vec::new()
             };
+            let mut t = Instant::now();
             let mut c = 0;
             for (i, &(addr, len)) in ranges.iter().enumerate().take(end).skip(start) {
                 let n = self.chunks_of((addr, len), width);
@@ -71,6 +83,8 @@ impl CodecRing {
                 if worth {
                     let blob_len = header.blob_len();
                     let dst = place(i, blob_len)?;
+                    t = phases.add("place", t);
+                    (raw_in, stored_out) = (raw_in + len, stored_out + blob_len);
                     let bytes = header.encode();
                     // SAFETY: `place` gave `blob_len` bytes of pinned host memory for this blob; the header is its
                     // first bytes, and no copy of ours writes there.
@@ -87,19 +101,27 @@ impl CodecRing {
                     });
                 } else {
                     let dst = place(i, len)?;
+                    t = phases.add("place", t);
+                    (raw_in, stored_out) = (raw_in + len, stored_out + len);
                     copies.push(dst.0, addr, len);
                     stored.push(Stored { len, raw: true });
                 }
                 c += n;
             }
+            t = phases.add("blob headers", t);
+            n_copies += copies.len();
             // SAFETY: each blob chunk's compressed bytes lie in the slot (written by the batch, which the CPU waited
             // for) and fit its blob at its offset (blob_len counts them); each raw range is the caller's, mapped, and
             // `place` gave its length; the slot is not reused before `done`, recorded after these copies.
             unsafe { copies.queue(copy, self.ordinal, self.batch_copies)? };
             record(slot.done, copy)?;
+            phases.add("queue copies", t);
             start = end;
             batch += 1;
         }
+        phases.note(format!(
+            "{batch} batches, {n_copies} copies, {raw_in} -> {stored_out} bytes"
+        ));
         Ok(stored)
     }
 
@@ -111,7 +133,9 @@ impl CodecRing {
         ranges: &[(DevPtr, usize)],
         width: usize,
         chunks: usize,
+        phases: &mut Phases,
     ) -> Result<Vec<usize>> {
+        let t = Instant::now();
         let mut c = 0;
         for &(addr, len) in ranges {
             for j in 0..self.chunks_of((addr, len), width) {
@@ -124,9 +148,15 @@ impl CodecRing {
         }
         debug_assert_eq!(c, chunks);
         let field = |f: usize| slot.table + (f * 8 * self.chunks) as u64;
+        // Sizes and statuses: into the mapped host table directly, or on the device and copied back.
+        let out = |f: usize| match self.mapped_sizes {
+            true => slot.host_dev + (f * 8 * self.chunks) as u64,
+            false => field(f),
+        };
         // SAFETY: the host table was filled above and is not touched until the stream synchronize below; the
         // device table, slot area and temp are ours and used by nothing else (the ring's lock, the slot's `done`
-        // waited for); the input chunks are mapped ranges of the caller's, aligned (chunks_of).
+        // waited for); the input chunks are mapped ranges of the caller's, aligned (chunks_of); the mapped host
+        // table is pinned memory of ours, read only after the synchronize.
         unsafe {
             self.h2d_table(slot, 0, OUT_BYTES)?;
             self.nv.compress(
@@ -138,12 +168,16 @@ impl CodecRing {
                 self.temp,
                 self.temp_bytes,
                 field(OUT_PTRS),
-                field(OUT_BYTES),
-                field(STATUS_FIELD),
+                out(OUT_BYTES),
+                out(STATUS_FIELD),
                 self.stream,
             )?;
-            self.d2h_table(slot, OUT_BYTES)?;
+            if !self.mapped_sizes {
+                self.d2h_table(slot, OUT_BYTES)?;
+            }
+            let t = phases.add("compress launch", t);
             check(OP_COMPRESS, sys::cuStreamSynchronize(self.stream))?;
+            phases.add("compress sync", t);
         }
         (0..chunks)
             .map(|c| {

@@ -2,6 +2,8 @@
 //! slot on the copy stream while the codec stream decompresses the previous slot into the destination ranges
 //! (see the parent module).
 
+use std::time::Instant;
+
 use cudarc::driver::sys;
 
 use super::blob::{round_up, Header, ALIGN};
@@ -9,10 +11,11 @@ use super::{
     chunk_failure, codec_error, event_sync, h2d, record, CodecRing, Slot, Work, ACTUAL, CHUNK,
     DEVICE_ALIGN, IN_BYTES, IN_PTRS, OP_DECOMPRESS, OUT_BYTES, OUT_PTRS, SLOTS, STATUS_FIELD,
 };
-use crate::driver::codec::RestoreItem;
+use crate::driver::codec::{ReadyFn, RestoreItem};
 use crate::driver::cuda_check::check;
 use crate::driver::nvcomp;
 use crate::error::Result;
+use crate::timing::Phases;
 
 impl CodecRing {
     /// Restore `items` (the trait's `decompress_from_host`).
@@ -20,7 +23,10 @@ impl CodecRing {
         &self,
         copy: sys::CUstream,
         items: &[RestoreItem],
+        ready: &mut ReadyFn<'_>,
     ) -> Result<()> {
+        let mut phases = Phases::new("nvcomp decompress");
+        let t = Instant::now();
         // Every header is checked before anything is queued: a damaged blob fails the wake with the device
         // untouched.
         let headers = items
@@ -31,13 +37,18 @@ impl CodecRing {
                     .map_err(|why| codec_error(OP_DECOMPRESS, format!("blob {i}: {why}")))
             })
             .collect::<Result<Vec<_>>>()?;
+        phases.add("headers", t);
         let mut work = self.work.lock();
-        let result = self.decompress_locked(&mut work, copy, items, &headers);
+        let result = self.decompress_locked(&mut work, copy, items, &headers, ready, &mut phases);
+        let t = Instant::now();
         let drained = self.drain(&mut work, copy);
+        let t = phases.add("drain", t);
         // Once drained every batch has run: check those whose statuses were not read yet.
         let checked =
             drained.and_then(|()| work.slots.iter_mut().try_for_each(|s| self.check_slot(s)));
         work.slots.iter_mut().for_each(|s| s.pending.clear());
+        phases.add("check", t);
+        phases.log();
         result.and(checked)
     }
 
@@ -84,10 +95,25 @@ impl CodecRing {
         copy: sys::CUstream,
         items: &[RestoreItem],
         headers: &[Option<Header>],
+        ready: &mut ReadyFn<'_>,
+        phases: &mut Phases,
     ) -> Result<()> {
+        // Items whose destination the caller was told about (`ready`), each once, in order.
+        let mut told = 0;
+        let mut tell = |upto: usize, phases: &mut Phases| -> Result<()> {
+            let t = Instant::now();
+            while told <= upto {
+                ready(told)?;
+                told += 1;
+            }
+            phases.add("ready", t);
+            Ok(())
+        };
         let (mut i, mut batch) = (0, 0);
+        let (mut n_copies, mut stored_in) = (0usize, 0usize);
         while i < items.len() {
             let Some(first) = &headers[i] else {
+                tell(i, phases)?;
                 raw_copy(&items[i], copy)?;
                 i += 1;
                 continue;
@@ -95,13 +121,17 @@ impl CodecRing {
             let ty = first.data_type;
             let slot = &mut work.slots[batch % SLOTS];
             // The slot's previous decompression finished reading its area and table: check it, then reuse.
+            let t = Instant::now();
             event_sync(slot.done)?;
+            let t = phases.add("slot wait", t);
             self.check_slot(slot)?;
+            let t = phases.add("check", t);
             let (mut used, mut c) = (0usize, 0usize);
             while i < items.len() {
                 let item = &items[i];
                 match &headers[i] {
                     None => {
+                        tell(i, phases)?;
                         raw_copy(item, copy)?;
                     }
                     Some(h) => {
@@ -111,10 +141,12 @@ impl CodecRing {
                         if h.data_type != ty || full {
                             break;
                         }
+                        tell(i, phases)?;
                         let to = slot.area + at as u64;
                         // SAFETY: the blob's bytes are live (the store's contract); the slot's area has room for
                         // it (checked above) and is not read by earlier work any more (`done` waited for).
                         unsafe { h2d(to, item.src.0, h.blob_len(), copy)? };
+                        (n_copies, stored_in) = (n_copies + 1, stored_in + h.blob_len());
                         for (j, off) in h.offsets().into_iter().enumerate() {
                             self.put(slot, IN_PTRS, c, to + off as u64);
                             self.put(slot, IN_BYTES, c, h.sizes[j] as u64);
@@ -135,6 +167,7 @@ impl CodecRing {
                     "a blob did not fit an empty slot".into(),
                 ));
             }
+            let t = phases.add("queue copies", t);
             let field = |f: usize| slot.table + (f * 8 * self.chunks) as u64;
             // SAFETY: the codec stream waits for the blobs' copies (`loaded`); tables, area and temp are ours and
             // free (the slot's `done` passed); the destination ranges are mapped ranges of the caller's, aligned
@@ -162,8 +195,12 @@ impl CodecRing {
                 self.d2h_table(slot, ACTUAL)?;
             }
             record(slot.done, self.stream)?;
+            phases.add("decompress launch", t);
             batch += 1;
         }
+        phases.note(format!(
+            "{batch} batches, {n_copies} blob copies of {stored_in} bytes"
+        ));
         Ok(())
     }
 

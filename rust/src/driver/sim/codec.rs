@@ -1,7 +1,7 @@
 //! The emulator's `DeviceCodec`: the host codec of `sim_codec.rs` over the emulator's own checked copies.
 
 use super::Emulator;
-use crate::driver::codec::{DataKind, DeviceCodec, PlaceFn, RestoreItem, Stored};
+use crate::driver::codec::{DataKind, DeviceCodec, PlaceFn, ReadyFn, RestoreItem, Stored};
 use crate::driver::sim_codec::{compress_ranges, decompress_items};
 use crate::driver::DevPtr;
 use crate::error::Result;
@@ -22,7 +22,12 @@ impl DeviceCodec for Emulator {
         compress_ranges(self, self.codec_counts(), device, ranges, kind, place)
     }
 
-    fn decompress_from_host(&self, device: i32, items: &[RestoreItem]) -> Result<()> {
-        decompress_items(self, self.codec_counts(), device, items)
+    fn decompress_from_host(
+        &self,
+        device: i32,
+        items: &[RestoreItem],
+        ready: &mut ReadyFn<'_>,
+    ) -> Result<()> {
+        decompress_items(self, self.codec_counts(), device, items, ready)
     }
 }
