@@ -44,6 +44,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 from typing import Any, Callable, Optional
 
 from cumem_rs.bench.common import fmt_bytes, fmt_seconds, print_table, say, timed
@@ -109,6 +110,10 @@ class TrainingEngine:
                 nn.Linear(width, width, device=device, dtype=torch.bfloat16) for _ in range(layers)
             )
         self.params = list(self.layers.parameters())
+        # The threads that make the grads (on a GPU autograd's device thread, not the caller's): a region around
+        # the training code would not route their allocations, which is why this shape needs the preload hook.
+        self.grad_threads: set[int] = set()
+        self.params[0].register_hook(lambda grad: self.grad_threads.add(threading.get_ident()))
         with region(OPTIM_TAG):
             self.master = [p.detach().float() for p in self.params]
             self.opt = torch.optim.AdamW(self.master, lr=1e-3, weight_decay=0.01, fused=True)
@@ -268,6 +273,7 @@ def child(impl: str, params: int, cycles: int) -> dict:
         limit_bytes=limit_bytes, copy_h2d_gbps=h2d, copy_d2h_gbps=d2h, gpu_used_initial=initial,
         pause_s=[], resume_s=[], gpu_used_before_pause=[], gpu_used_at_pause=[], gpu_used_after_resume=[],
         rss_growth_at_pause=[], allocator_pause=[], losses=losses,
+        grads_off_caller_thread=bool(engine.grad_threads) and threading.get_ident() not in engine.grad_threads,
     )
     for cycle in range(cycles):
         before = checksum(torch, state)
@@ -411,7 +417,9 @@ def report(results: dict[str, dict], skipped: dict[str, str], failed: dict[str, 
         rows.append([lab, "GPU memory at pause, above initial", fmt_bytes(above), "", "", "",
                      f"{verdict} (target < {fmt_bytes(PAUSED_ABOVE_INITIAL_TARGET)}); before pause "
                      f"+{fmt_bytes(held)}"])
-        note = f"params, master, AdamW states; grads {fmt_bytes(r['grad_bytes'])}: no backup"
+        off = {True: "made on autograd's thread", False: "made on the caller's thread"}.get(
+            r.get("grads_off_caller_thread"), "")
+        note = f"params, master, AdamW states; grads {fmt_bytes(r['grad_bytes'])}: no backup, {off}"
         rows.append([lab, "state backed up (tensors)", fmt_bytes(r["state_bytes"]), "", "", "", note])
         alloc = next((a for a in r.get("allocator_pause", []) if a), None)
         if alloc:

@@ -9,6 +9,7 @@ import importlib.util
 import json
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -126,6 +127,7 @@ def test_a_training_step_makes_and_changes_every_state_tensor(bench):
     assert [id(t) for t in engine.state()] == [id(t) for t in [*engine.params, *engine.master]]
     loss = engine.step()
     assert loss > 0 and regions[-1] == bench.OPTIM_TAG
+    assert engine.grad_threads == {threading.get_ident()}  # on the CPU autograd runs on the caller's thread
     state = engine.state()
     n = len(engine.params)
     # bf16 params, their fp32 master copies, and per master param AdamW's step, exp_avg and exp_avg_sq.
@@ -158,7 +160,7 @@ def fake(impl, label, pause, resume, at_pause_above, allocator=None):
         gpu_used_at_pause=[initial + at_pause_above] * len(pause),
         gpu_used_after_resume=[initial + 20 * 10**9] * len(pause),
         rss_growth_at_pause=[14 * 10**9] + [0] * (len(pause) - 1),
-        allocator_pause=[allocator] * len(pause), losses=[1.0] * (len(pause) + 1),
+        allocator_pause=[allocator] * len(pause), losses=[1.0] * (len(pause) + 1), grads_off_caller_thread=True,
     )
 
 
@@ -213,6 +215,7 @@ def test_report_rows(bench, capsys):
     assert by[(t, "GPU memory at pause, above initial")][6].startswith("over")
     assert by[(c, "backed up, cycle 1 (allocator)")][2] == "13.04 GiB"
     assert (t, "backed up, cycle 1 (allocator)") not in by  # torch_memory_saver reports no count
+    assert by[(c, "state backed up (tensors)")][6].endswith("no backup, made on autograd's thread")
     assert by[("tms-retain", "skipped")][6] == "torch_memory_saver is not installed"
     assert by[("cumem-retain", "FAILED")][6] == "RuntimeError: boom"
     assert not any(r[1] == "child process exit" for r in rows)
