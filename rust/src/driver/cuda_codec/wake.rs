@@ -127,6 +127,10 @@ impl CodecRing {
             self.check_slot(slot)?;
             let t = phases.add("check", t);
             let (mut used, mut c) = (0usize, 0usize);
+            // Blobs lying back to back in host memory (as the store places them) go over in one copy: the
+            // device keeps their host offsets from one another, so each chunk stays 16-byte aligned. H200: one
+            // copy per 1.4 MiB blob moved 46 GB/s where the link moves 52.
+            let mut run = Run::default();
             while i < items.len() {
                 let item = &items[i];
                 match &headers[i] {
@@ -135,7 +139,10 @@ impl CodecRing {
                         raw_copy(item, copy)?;
                     }
                     Some(h) => {
-                        let at = round_up(used, DEVICE_ALIGN);
+                        let at = match run.follows(item.src.0) {
+                            true => used,
+                            false => round_up(used, DEVICE_ALIGN),
+                        };
                         let full =
                             c + h.sizes.len() > self.chunks || at + h.blob_len() > self.area_bytes;
                         if h.data_type != ty || full {
@@ -143,10 +150,16 @@ impl CodecRing {
                         }
                         tell(i, phases)?;
                         let to = slot.area + at as u64;
-                        // SAFETY: the blob's bytes are live (the store's contract); the slot's area has room for
-                        // it (checked above) and is not read by earlier work any more (`done` waited for).
-                        unsafe { h2d(to, item.src.0, h.blob_len(), copy)? };
-                        (n_copies, stored_in) = (n_copies + 1, stored_in + h.blob_len());
+                        if !run.follows(item.src.0) {
+                            n_copies += run.flush(copy)?;
+                            run = Run {
+                                src: item.src.0,
+                                dst: to,
+                                len: 0,
+                            };
+                        }
+                        run.len += h.blob_len();
+                        stored_in += h.blob_len();
                         for (j, off) in h.offsets().into_iter().enumerate() {
                             self.put(slot, IN_PTRS, c, to + off as u64);
                             self.put(slot, IN_BYTES, c, h.sizes[j] as u64);
@@ -160,6 +173,7 @@ impl CodecRing {
                 }
                 i += 1;
             }
+            n_copies += run.flush(copy)?;
             if c == 0 {
                 // Cannot happen (every blob fits an empty slot, read_header); never loop on it.
                 return Err(codec_error(
@@ -237,4 +251,32 @@ fn raw_copy(item: &RestoreItem, copy: sys::CUstream) -> Result<()> {
     // SAFETY: the raw blob's `raw_len` bytes (read_header checked its length) are live and unchanged during the
     // wake (the store's contract); the destination range is mapped.
     unsafe { h2d(item.dst, item.src.0, item.raw_len, copy) }
+}
+
+/// Blobs back to back in host memory, copied to the device as one range.
+#[derive(Default)]
+struct Run {
+    src: usize,
+    dst: u64,
+    len: usize,
+}
+
+impl Run {
+    /// Whether a blob at `src` continues this run.
+    fn follows(&self, src: usize) -> bool {
+        self.len > 0 && src == self.src + self.len
+    }
+
+    /// Queue the run's copy (if any); the copies queued.
+    fn flush(&mut self, copy: sys::CUstream) -> Result<usize> {
+        if self.len == 0 {
+            return Ok(0);
+        }
+        // SAFETY: the run's blobs are live (the store's contract) and lie back to back from `src`; the slot's
+        // area has room for all of them from `dst` (each was checked against the area when it joined) and is
+        // not read by earlier work any more (the slot's `done` was waited for).
+        unsafe { h2d(self.dst, self.src, self.len, copy)? };
+        self.len = 0;
+        Ok(1)
+    }
 }
