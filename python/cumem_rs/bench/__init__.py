@@ -19,7 +19,10 @@ in the same run. One table per measured thing; --only picks some (default: all o
                sleep to spill files and wake from them against it (weights all in files; the 4 GiB budget
                reference case), and the host memory held while backups sit in files against ring + budget
   compress     compression on and off (nvCOMP on the GPU): sleep and wake of bf16-like and fp8-like weights
-               against the copy limit, and the host memory their backup holds against the raw bytes
+               against the copy limit, and the host memory their backup holds against the raw bytes; retained
+               compressed backups (unchanged weights against the copy time; the wake with and without a
+               pause after it), random bytes against the raw path, 1024 x 12 MiB allocations, the first sleep
+               with pinning ahead, a matmul loop on another tag during a compressed pause against the loop alone
   peer         torch_memory_saver when installed, in a child process (run first, while the GPU is empty): its
                pause/resume, and the retained table's three pauses with retain_cpu_backup off and on
 
