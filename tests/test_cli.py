@@ -217,13 +217,13 @@ def test_bench_every_table_on_the_simulated_device(tmp_path):
     assert p.returncode == 0, p.stdout + p.stderr
     for title in ("the limit: pinned copies", "sleep/wake, copy path", "retained backups", "allocation count",
                   "malloc/free", "CuMemAllocator wall time", "torch_memory_saver", "pinning ahead", "file tier",
-                  "compress: backups compressed"):
+                  "compress: backups compressed", "swap: two processes on one GPU"):
         assert title in p.stdout, title
     data = json.loads(out.read_text())
     m = data["metrics"]
     assert m["errors"] == []
     assert set(m["table_seconds"]) == {"peer", "sleep_wake", "retained", "wall", "pin_ahead", "alloc_count",
-                                       "malloc", "file_tier", "compress"}
+                                       "malloc", "file_tier", "compress", "swap"}
     w = m["weights_bytes"]
     check_file_tier_metrics(m)
 
@@ -252,7 +252,7 @@ def test_bench_every_table_on_the_simulated_device(tmp_path):
             "CuMemAllocator sleep / wake_up / discard wall time"} <= skipped
 
 
-#: Rows the compress table adds to its raw / bf16 / fp8 rows (issue 23's targets).
+#: Rows the compress table adds to its raw / bf16 / fp8 rows, and the swap table's (issue 23's targets).
 COMPRESS_ROWS = (
     "sleep, retained compressed backups, bf16, weights unchanged since the wake",
     "wake with no pause after that sleep",
@@ -263,10 +263,12 @@ COMPRESS_ROWS = (
     "first sleep, compressed, pin ahead off (cold)",
     "first sleep, compressed, 0.2 s after pinning ahead began",
 )
+SWAP_ROWS = ("both at once, two streams (the limit)", "A sleeps, then B wakes, compress='off'",
+             "A sleeps while B wakes, compress='off'", "A sleeps while B wakes, compress='auto'")
 
 
 def check_compress_rows_metrics(m: dict) -> None:
-    """The compress table's further rows, on any backend (no timed assertions)."""
+    """The compress table's further rows and the swap table, on any backend (no timed assertions)."""
     w = m["weights_bytes"]
     # Retained compressed backups: an unchanged sleep copies nothing and keeps every byte's backup.
     kept = m["compress_bf16_auto_retained_cycles"]
@@ -287,18 +289,27 @@ def check_compress_rows_metrics(m: dict) -> None:
     assert m["compress_first_sleep_cold_ratio"] > 0 and m["compress_first_sleep_pin_ahead_2s_ratio"] > 0
     # The loop ran beside at least one whole pause and resume.
     assert m["compress_matmul_during_pause_ratio"] > 0 and len(m["compress_matmul_pause_cycles_s"]) >= 1
+    # Swap: both processes ran every cycle, alone and at once (B verified its weights after each wake, A after
+    # each reset), and A held its backup while asleep.
+    assert m["swap_copy_both_gbps"] > 0
+    for mode in ("off", "auto"):
+        cycles = m[f"swap_{mode}_cycles"]
+        assert len(cycles) >= 1
+        assert all(min(c["a_s"], c["b_s"], c["a_alone_s"], c["b_alone_s"]) > 0 for c in cycles)
+        assert all(c["a_held"] > 0 for c in cycles)
+        assert m[f"swap_{mode}_at_once_ratio"] > 0 and m[f"swap_{mode}_one_after_other_ratio"] > 0
 
 
-def test_bench_compress_rows_on_the_simulated_device(tmp_path):
+def test_bench_compress_rows_and_swap_on_the_simulated_device(tmp_path):
     out = tmp_path / "bench.json"
-    p = run_cli("bench", "--backend", "sim", "--scale", "1024", "--cycles", "1", "--only", "compress",
+    p = run_cli("bench", "--backend", "sim", "--scale", "1024", "--cycles", "1", "--only", "compress,swap",
                 "--json", str(out), timeout=300)
     assert p.returncode == 0, p.stdout + p.stderr
-    assert "compress: backups compressed" in p.stdout
+    assert "compress: backups compressed" in p.stdout and "swap: two processes on one GPU" in p.stdout
     data = json.loads(out.read_text())
-    check_rows_named(data["rows"], COMPRESS_ROWS + ("1024 x 12.00 KiB, bf16, compress='auto'",))
+    check_rows_named(data["rows"], COMPRESS_ROWS + SWAP_ROWS + ("1024 x 12.00 KiB, bf16, compress='auto'",))
     m = data["metrics"]
-    assert m["errors"] == [] and m["tables"] == ["compress"]
+    assert m["errors"] == [] and m["tables"] == ["compress", "swap"]
     check_compress_rows_metrics(m)
 
 
@@ -479,19 +490,20 @@ def test_bench_file_tier_on_the_gpu(tmp_path):
 
 
 @pytest.mark.skipif(not gpu_usable(), reason="needs a CUDA GPU and CUDA torch")
-def test_bench_compress_rows_on_the_gpu(tmp_path):
-    """The compress table's further rows at a small scale; with no codec (nvCOMP not installed) the compressed
-    rows say so."""
+def test_bench_compress_rows_and_swap_on_the_gpu(tmp_path):
+    """The compress table's further rows and the swap table (two processes on the GPU) at a small scale; with no
+    codec (nvCOMP not installed) the compressed rows say so and only swap's uncompressed rows run."""
     out = tmp_path / "bench.json"
-    p = run_cli("bench", "--backend", "cuda", "--scale", "16", "--cycles", "1", "--only", "compress",
+    p = run_cli("bench", "--backend", "cuda", "--scale", "16", "--cycles", "1", "--only", "compress,swap",
                 "--no-tms", "--json", str(out), timeout=900)
     assert p.returncode == 0, p.stdout + p.stderr
     data = json.loads(out.read_text())
     m = data["metrics"]
     assert m["errors"] == []
     if "compress_bf16_auto_sleep_ratio" in m:
-        check_rows_named(data["rows"], tuple(r for r in COMPRESS_ROWS if "0.2 s" not in r) +
+        check_rows_named(data["rows"], tuple(r for r in COMPRESS_ROWS if "0.2 s" not in r) + SWAP_ROWS +
                          ("first sleep, compressed, 2 s after the weights pool closed",))
         check_compress_rows_metrics(m)
     else:
         assert any("no codec" in str(r["vs"]) for r in data["rows"])
+        assert m["swap_off_at_once_ratio"] > 0 and m["swap_off_one_after_other_ratio"] > 0
