@@ -8,7 +8,7 @@ import json
 import pytest
 
 from cumem_rs.bench import main as bench_main
-from cumem_rs.bench import plot
+from cumem_rs.bench import Results, plot
 
 ROWS = [
     dict(table="sleep/wake", name="sleep, steady", bytes=1 << 30, seconds=0.02, gbps=53.0, ratio=0.96,
@@ -71,3 +71,16 @@ def test_from_json_of_something_else_names_the_file(tmp_path):
     other.write_text("[1, 2]")
     with pytest.raises(SystemExit, match="other.json"):
         bench_main(["--from-json", str(other)])
+
+
+def test_a_rate_row_is_better_above_its_reference(capsys):
+    # A rate that is not bytes (the matmul loop beside a compressed pause): higher is better, like a bandwidth,
+    # though the row has no GB/s.
+    res = Results()
+    res.section("compress")
+    res.rate("loop_busy", "loop while pausing", 90, 1.0, 100.0, "the loop alone")
+    res.rate("loop_fast", "loop, faster", 110, 1.0, 100.0, "the loop alone")
+    assert res.metrics["loop_busy_ratio"] == pytest.approx(0.9) and res.metrics["loop_busy_per_s"] == 90
+    assert [better for _, _, better in plot.tables(res.rows)["compress"]] == [False, True]
+    res.print("t")
+    assert "0.900x" in capsys.readouterr().out

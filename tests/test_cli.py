@@ -213,17 +213,17 @@ def _median_report(cycles: list, field: str) -> float:
 
 def test_bench_every_table_on_the_simulated_device(tmp_path):
     out = tmp_path / "bench.json"
-    p = run_cli("bench", "--backend", "sim", "--scale", "1024", "--cycles", "1", "--json", str(out))
+    p = run_cli("bench", "--backend", "sim", "--scale", "1024", "--cycles", "1", "--json", str(out), timeout=300)
     assert p.returncode == 0, p.stdout + p.stderr
     for title in ("the limit: pinned copies", "sleep/wake, copy path", "retained backups", "allocation count",
                   "malloc/free", "CuMemAllocator wall time", "torch_memory_saver", "pinning ahead", "file tier",
-                  "compress: backups compressed"):
+                  "compress: backups compressed", "swap: two processes on one GPU"):
         assert title in p.stdout, title
     data = json.loads(out.read_text())
     m = data["metrics"]
     assert m["errors"] == []
     assert set(m["table_seconds"]) == {"peer", "sleep_wake", "retained", "wall", "pin_ahead", "alloc_count",
-                                       "malloc", "file_tier", "compress"}
+                                       "malloc", "file_tier", "compress", "swap"}
     w = m["weights_bytes"]
     check_file_tier_metrics(m)
 
@@ -250,6 +250,75 @@ def test_bench_every_table_on_the_simulated_device(tmp_path):
     skipped = {r["name"] for r in data["rows"] if r["vs"] == "skipped: no GPU"}
     assert {"CuMemAllocator (torch tensors)", "torch_memory_saver",
             "CuMemAllocator sleep / wake_up / discard wall time"} <= skipped
+
+
+#: Rows the compress table adds to its raw / bf16 / fp8 rows, and the swap table's (issue 23's targets).
+COMPRESS_ROWS = (
+    "sleep, retained compressed backups, bf16, weights unchanged since the wake",
+    "wake with no pause after that sleep",
+    "sleep, random bytes (torch.randint 0-255), compress='off'",
+    "sleep, random bytes (torch.randint 0-255), compress='auto'",
+    "wake after the sleep, random bytes (torch.randint 0-255), compress='auto'",
+    "matmul loop on another tag while the weights pause and resume compressed",
+    "first sleep, compressed, pin ahead off (cold)",
+    "first sleep, compressed, 0.2 s after pinning ahead began",
+)
+SWAP_ROWS = ("both at once, two streams (the limit)", "A sleeps, then B wakes, compress='off'",
+             "A sleeps while B wakes, compress='off'", "A sleeps while B wakes, compress='auto'")
+
+
+def check_compress_rows_metrics(m: dict) -> None:
+    """The compress table's further rows and the swap table, on any backend (no timed assertions)."""
+    w = m["weights_bytes"]
+    # Retained compressed backups: an unchanged sleep copies nothing and keeps every byte's backup.
+    kept = m["compress_bf16_auto_retained_cycles"]
+    assert kept and all(c["copied"] == 0 and c["skipped"] >= w for c in kept)
+    for key in ("retained_sleep_unchanged", "retained_wake_at_once", "retained_wake"):
+        assert m[f"compress_bf16_auto_{key}_ratio"] > 0
+    # Random bytes go through the codec and are stored raw: about their own size.
+    for call in ("sleep", "wake"):
+        assert m[f"compress_random_auto_{call}_ratio"] > 0 and m[f"compress_random_off_{call}_ratio"] > 0
+    assert m["compress_random_auto_host_bytes"] >= 0.95 * w
+    # 1024 allocations of bf16-like data: compressed, they hold less host memory than raw.
+    for mode in ("off", "auto"):
+        assert m[f"compress_many_{mode}_sleep_ratio"] > 0 and m[f"compress_many_{mode}_wake_ratio"] > 0
+    assert m["compress_many_auto_host_bytes"] < m["compress_many_off_host_bytes"]
+    # The first sleep: nothing pinned ahead when off, the worker pinned some when on.
+    assert m["compress_first_sleep_cold_pinned_ahead"] == 0
+    assert m["compress_first_sleep_pin_ahead_2s_pinned_ahead"] > 0
+    assert m["compress_first_sleep_cold_ratio"] > 0 and m["compress_first_sleep_pin_ahead_2s_ratio"] > 0
+    # The loop ran beside at least one whole pause and resume.
+    assert m["compress_matmul_during_pause_ratio"] > 0 and len(m["compress_matmul_pause_cycles_s"]) >= 1
+    # Swap: both processes ran every cycle, alone and at once (B verified its weights after each wake, A after
+    # each reset), and A held its backup while asleep.
+    assert m["swap_copy_both_gbps"] > 0
+    for mode in ("off", "auto"):
+        cycles = m[f"swap_{mode}_cycles"]
+        assert len(cycles) >= 1
+        assert all(min(c["a_s"], c["b_s"], c["a_alone_s"], c["b_alone_s"]) > 0 for c in cycles)
+        assert all(c["a_held"] > 0 for c in cycles)
+        assert m[f"swap_{mode}_at_once_ratio"] > 0 and m[f"swap_{mode}_one_after_other_ratio"] > 0
+
+
+def test_bench_compress_rows_and_swap_on_the_simulated_device(tmp_path):
+    out = tmp_path / "bench.json"
+    p = run_cli("bench", "--backend", "sim", "--scale", "1024", "--cycles", "1", "--only", "compress,swap",
+                "--json", str(out), timeout=300)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "compress: backups compressed" in p.stdout and "swap: two processes on one GPU" in p.stdout
+    data = json.loads(out.read_text())
+    check_rows_named(data["rows"], COMPRESS_ROWS + SWAP_ROWS + ("1024 x 12.00 KiB, bf16, compress='auto'",))
+    m = data["metrics"]
+    assert m["errors"] == [] and m["tables"] == ["compress", "swap"]
+    check_compress_rows_metrics(m)
+
+
+def check_rows_named(rows: list, wanted: tuple) -> None:
+    """Every name of `wanted` begins or is part of a row that was measured (not skipped). The JSON's rows are the
+    printed tables' (whose long names the terminal table wraps over lines)."""
+    measured = [r["name"] for r in rows if not str(r["vs"]).startswith("skipped")]
+    for name in wanted:
+        assert any(name in n for n in measured), (name, measured)
 
 
 def check_file_tier_metrics(m: dict) -> None:
@@ -418,3 +487,23 @@ def test_bench_file_tier_on_the_gpu(tmp_path):
     m = json.loads(out.read_text())["metrics"]
     assert m["errors"] == []
     check_file_tier_metrics(m)
+
+
+@pytest.mark.skipif(not gpu_usable(), reason="needs a CUDA GPU and CUDA torch")
+def test_bench_compress_rows_and_swap_on_the_gpu(tmp_path):
+    """The compress table's further rows and the swap table (two processes on the GPU) at a small scale; with no
+    codec (nvCOMP not installed) the compressed rows say so and only swap's uncompressed rows run."""
+    out = tmp_path / "bench.json"
+    p = run_cli("bench", "--backend", "cuda", "--scale", "16", "--cycles", "1", "--only", "compress,swap",
+                "--no-tms", "--json", str(out), timeout=900)
+    assert p.returncode == 0, p.stdout + p.stderr
+    data = json.loads(out.read_text())
+    m = data["metrics"]
+    assert m["errors"] == []
+    if "compress_bf16_auto_sleep_ratio" in m:
+        check_rows_named(data["rows"], tuple(r for r in COMPRESS_ROWS if "0.2 s" not in r) + SWAP_ROWS +
+                         ("first sleep, compressed, 2 s after the weights pool closed",))
+        check_compress_rows_metrics(m)
+    else:
+        assert any("no codec" in str(r["vs"]) for r in data["rows"])
+        assert m["swap_off_at_once_ratio"] > 0 and m["swap_off_one_after_other_ratio"] > 0

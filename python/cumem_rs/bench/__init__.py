@@ -19,7 +19,12 @@ in the same run. One table per measured thing; --only picks some (default: all o
                sleep to spill files and wake from them against it (weights all in files; the 4 GiB budget
                reference case), and the host memory held while backups sit in files against ring + budget
   compress     compression on and off (nvCOMP on the GPU): sleep and wake of bf16-like and fp8-like weights
-               against the copy limit, and the host memory their backup holds against the raw bytes
+               against the copy limit, and the host memory their backup holds against the raw bytes; retained
+               compressed backups (unchanged weights against the copy time; the wake with and without a
+               pause after it), random bytes against the raw path, 1024 x 12 MiB allocations, the first sleep
+               with pinning ahead, a matmul loop on another tag during a compressed pause against the loop alone
+  swap         two processes on one GPU, A sleeps while B wakes, compression off and on: aggregate bytes per
+               second, one after the other and at once, against a bidirectional pinned copy
   peer         torch_memory_saver when installed, in a child process (run first, while the GPU is empty): its
                pause/resume, and the retained table's three pauses with retain_cpu_backup off and on
 
@@ -46,7 +51,7 @@ from ..workload import (
     sim_granularity,
     total_bytes,
 )
-from . import alloc_count, compress, file_tier, malloc, peer_tms, pin_ahead, plot, retained, sleep_wake, wall
+from . import alloc_count, compress, file_tier, malloc, peer_tms, pin_ahead, plot, retained, sleep_wake, swap, wall
 from .common import Context, Results, fmt_bytes, fmt_seconds, print_table, say, timed
 from .limits import copy_limit, memcpy_gbps
 from .malloc import DEFAULT_MALLOC_COUNT, RawDriver, malloc_sizes
@@ -73,6 +78,7 @@ TABLES = {
     "malloc": malloc,
     "file_tier": file_tier,
     "compress": compress,
+    "swap": swap,
 }
 
 

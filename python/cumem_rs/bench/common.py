@@ -107,6 +107,18 @@ class Results:
             self.metrics[f"{key}_ratio"] = ratio
         self._add(name=name, bytes=nbytes, seconds=seconds_per_op, gbps=None, ratio=ratio, vs=vs)
 
+    def rate(self, key: str, name: str, count: int, seconds: float, reference_per_s: Optional[float],
+             vs: str = "") -> float:
+        """A rate that is not bytes (e.g. kernels per second): `count` in `seconds`, as a ratio of
+        `reference_per_s`; higher is better, like a bandwidth (the row says so for the chart)."""
+        per_s = count / seconds if seconds > 0 else float("inf")
+        ratio = per_s / reference_per_s if reference_per_s else None
+        self.metrics.update({f"{key}_s": seconds, f"{key}_per_s": per_s})
+        if ratio is not None:
+            self.metrics[f"{key}_ratio"] = ratio
+        self._add(name=name, bytes=None, seconds=seconds, gbps=None, ratio=ratio, vs=vs, higher_is_better=True)
+        return per_s
+
     def value(self, key: str, name: str, nbytes: int, vs: str = "") -> None:
         self.metrics[key] = nbytes
         self._add(name=name, bytes=nbytes, seconds=None, gbps=None, ratio=None, vs=vs)

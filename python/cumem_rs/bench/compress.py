@@ -9,7 +9,9 @@ copies every byte. Per setting (`compress="off"`, then `"auto"`; `--cycles` cycl
 - the pinned host memory the backup holds while asleep against the raw bytes (target <= 0.70x);
 then the same with fp8-like weights (`float8_e4m3fn` from `randn`), under the fp8 mode where the policy names one.
 Every wake is verified bit-identical. Only the public API is used; where the allocator has no `compress=` policy
-or no codec (no nvCOMP on the GPU) the rows say so and are skipped.
+or no codec (no nvCOMP on the GPU) the rows say so and are skipped. Then the rows of `compress_rows` (retained
+compressed backups, random bytes, 1024 allocations, the first sleep with pinning ahead) and `compress_pause` (a
+matmul loop during a compressed pause).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import time
 from typing import Any, Callable, Optional
 
 from ..workload import WEIGHTS_TAG, reference_workload, sim_granularity, total_bytes
+from . import compress_rows
 from .common import Context, fmt_bytes, retain_default, say, timed
 from .limits import limit
 from .subjects import CoreTensors, SimSubject, TensorSubject, sim_allocator
@@ -64,9 +67,14 @@ def run(ctx: Context) -> None:
             res.skipped("fp8-like weights", "the allocator has no compress= policy")
         else:
             _settings(ctx, core, subject, wbytes, h2d, d2h, f"fp8 e4m3 from randn, compress={mode!r}", (mode,))
+        compress_rows.gpu_rows(ctx, core, views, wbytes, h2d, d2h)
     finally:
         _reset(core)
         views.release()
+    try:
+        compress_rows.gpu_own_rows(ctx, core)
+    finally:
+        _reset(core)
     ctx.add_errors(core.errors())
 
 
@@ -176,4 +184,5 @@ def _sim(ctx: Context, specs: list, wbytes: int, h2d: float, d2h: float) -> None
         ctx.add_errors(alloc.errors())
     finally:
         alloc.close()
+    compress_rows.sim_rows(ctx, specs, wbytes, h2d, d2h, sim_granularity(ctx.scale))
 

@@ -31,13 +31,13 @@ LABEL_CHARS = 90
 
 def tables(rows: list[dict]) -> dict[str, list[tuple[str, float, bool]]]:
     """Per table (in order), its rows that carry a ratio: (label, ratio, better than the reference). A rate
-    (a row with GB/s) is better above 1, a time below 1."""
+    (a row with GB/s, or marked higher_is_better) is better above 1, a time below 1."""
     out: dict[str, list[tuple[str, float, bool]]] = {}
     for r in rows:
         if r.get("ratio") is None:
             continue
         ratio = float(r["ratio"])
-        better = ratio >= 1.0 if r.get("gbps") is not None else ratio <= 1.0
+        better = ratio >= 1.0 if r.get("gbps") is not None or r.get("higher_is_better") else ratio <= 1.0
         vs = str(r.get("vs") or "").split(";")[0]
         label = f"{r['name']} (of {vs})" if vs else str(r["name"])
         if len(label) > LABEL_CHARS:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import bisect
 import gc
 import random
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from ..workload import (
@@ -130,14 +130,15 @@ class CoreTensors(TorchWorkload):
         self.addresses = []
 
 
-def sim_allocator(scale: int, sizes: Iterable[int]) -> Any:
-    """A simulated core Allocator with the granularity of `scale` and room for allocations of `sizes`."""
+def sim_allocator(scale: int, sizes: Iterable[int], compress: bool = False) -> Any:
+    """A simulated core Allocator with the granularity of `scale` and room for allocations of `sizes`. Without
+    `compress` its driver offers no codec: the copy path's rows would otherwise measure the sim's host codec
+    (zstd on this machine's cores), not the copies; the compress rows ask for it."""
     from .. import Allocator
 
     gran = sim_granularity(scale)
-    # The copy path's rows: the sim's host codec would measure zstd on this machine's cores, not the copies.
     return Allocator.simulated(capacity=sum(round_up(n, gran) for n in sizes) + 16 * gran, granularity=gran,
-                               compress=False)
+                               compress=compress)
 
 
 def release_tensors(ctx: Context, wl: TorchWorkload) -> None:
@@ -181,6 +182,13 @@ class SimSubject:
 
     def remember(self) -> None:
         pass  # rewrite keeps the expected bytes up to date
+
+    def overwrite(self, content: Callable[[int, int], bytes]) -> None:
+        """Write `content(nbytes, i)` over the whole of the i-th allocation (address order), and expect it."""
+        for i, (addr, n) in enumerate(self._spans):
+            data = content(n, i)
+            self.alloc.write(addr, data)
+            self._expected[i] = bytearray(data)
 
     def verify(self) -> None:
         live = {a["address"] for a in self.alloc.allocations()}
