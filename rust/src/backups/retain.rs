@@ -361,9 +361,10 @@ impl BackupStore {
                 .get(&addr)
                 .expect("split on it")
                 .clone();
-            // No prints of the backup (bound without them, see `bind_restored`): every chunk counts as changed.
+            // No prints of the backup (bound without them, see `bind_restored`): every chunk counts as changed. So
+            // does every chunk of a backup handed out as a writable view since its last sleep (view.rs).
             let before = self.retention.prints.get(&addr);
-            let after = sp.now.get(&addr);
+            let after = sp.now.get(&addr).filter(|_| !self.views.touched(addr));
             // Runs of changed chunks, each copied with as few calls as the arena's pinned pieces allow.
             let mut runs: Vec<(usize, usize)> = Vec::new();
             for (i, (off, len)) in fingerprint::chunks(size, chunk).enumerate() {
@@ -454,6 +455,7 @@ impl BackupStore {
     /// every allocation now asleep with a backup keeps the prints taken now.
     pub fn keep_sleep_prints(&mut self, sp: SleepPrints) {
         self.retention.drop(&sp.backed);
+        self.views.slept(&sp.backed);
         let mut now = sp.now;
         if !sp.retaining {
             let asleep = sp.backed.iter().filter(|a| self.asleep.contains_key(a));
