@@ -128,6 +128,8 @@ class TorchMemorySaver:
         # so that region memory and other memory never share torch's cached blocks.
         self._region_pools: dict[tuple[str, str, int], torch.cuda.MemPool] = {}
         self._memory_margin_bytes = 0
+        # retain_cpu_backup was set to False while the allocator kept host memory: applied by the next resume.
+        self._release_at_resume = False
         # Every tag a region or graph of this object used, with its backup (one setting per tag).
         # Per tag of the API: backup setting -> the allocator tag holding that memory (`_use_tag`).
         self._tags: dict[str, dict[str, str]] = {}
@@ -466,6 +468,9 @@ class TorchMemorySaver:
             return
         if self._memory_margin_bytes > 0:
             self._check_margin(alloc, tags)
+        if self._release_at_resume:
+            alloc.native.set_keep_host_memory(False)
+            self._release_at_resume = False
         alloc.resume(tags)
 
     def _check_margin(self, alloc: "Backend", tags: list[str]) -> None:
@@ -530,12 +535,21 @@ class TorchMemorySaver:
         TMS_RETAIN_CPU_BACKUP, as in torch_memory_saver): cumem_rs's `set_keep_host_memory`, process-wide, set when
         the saver initialises. True also keeps the backups bound to their allocations (retained backups: the next
         pause copies only the chunks that changed); False returns the backup's host memory to the OS at every
-        resume, and every pause copies everything."""
-        return self._allocator().native.keep_host_memory()
+        resume, and every pause copies everything. Set to False, it takes effect at the next resume, as there: the
+        retained backups of awake memory stay until then (`get_cpu_backup` shows them, a pause reuses them)."""
+        native = self._allocator().native
+        return not self._release_at_resume and native.keep_host_memory()
 
     @retain_cpu_backup.setter
     def retain_cpu_backup(self, value: bool) -> None:
-        self._allocator().native.set_keep_host_memory(_check_flag(value, "retain_cpu_backup"))
+        native = self._allocator().native
+        if _check_flag(value, "retain_cpu_backup"):
+            self._release_at_resume = False
+            native.set_keep_host_memory(True)
+        elif native.keep_host_memory():
+            # As there, False is consulted by the next resume: until then the retained backups of awake memory stay
+            # (get_cpu_backup shows them; a pause reuses them, at the same address).
+            self._release_at_resume = True
 
     def set_disk_backup_dir(self, path: str) -> None:
         """The directory for the backups of disk-backup regions (created if needed), process-wide: the allocator's
