@@ -33,6 +33,7 @@ __all__ = [
     "DriverError",
     "ClosedError",
     "Allocator",
+    "HostBytes",
     "cuda_available",
     "fingerprint_bytes",
     "is_cuda_allocator_ready",
@@ -150,7 +151,18 @@ def _panic_in_next_ffi_call(on: bool) -> None:
 def is_cuda_allocator_ready() -> bool:
     """True once the process-wide CUDA allocator behind `my_malloc`/`my_free` has been created."""
 
-# A native (PyO3) class: it cannot be subclassed.
+# Native (PyO3) classes: they cannot be subclassed.
+@final
+class HostBytes:
+    """`nbytes` bytes of raw host backup memory at `address` (of this process), mapped as long as this object
+    lives (`Allocator.view_backup`)."""
+
+    @property
+    def address(self) -> int: ...
+    @property
+    def nbytes(self) -> int: ...
+    def __len__(self) -> int: ...
+
 @final
 class Allocator:
     """Virtual-memory allocator over one driver (simulated or CUDA)."""
@@ -339,5 +351,11 @@ class Allocator:
     def read_backup(self, address: int, size: int) -> Optional[bytes]:
         """The backed-up bytes [address, address+size) of an asleep allocation; None while it is awake. Raises
         CumemError for an asleep allocation without backup, ValueError outside every allocation."""
+    def view_backup(self, address: int, size: int, writable: Optional[bool] = None) -> Optional[HostBytes]:
+        """The backed-up bytes [address, address+size) where they lie, when the backup (of an asleep allocation, or
+        retained by an awake one) is raw host memory; None otherwise (no backup, compressed, in a file: read_backup
+        copies those). The bytes stay mapped as long as the `HostBytes` lives, whatever happens to the backup.
+        `writable` (default True): the caller may write through it, which makes the next sleep of the allocation
+        copy it whole; False promises to only read. ValueError outside every allocation."""
     def keep_host_memory(self) -> bool:
         """The setting of `set_keep_host_memory`."""

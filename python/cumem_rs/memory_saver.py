@@ -24,6 +24,8 @@ that API is accepted, and the calls do what they do there, over `CuMemAllocator`
   `set_spill_dir`);
 * `retain_cpu_backup` (False by default, as there): the allocator's `set_keep_host_memory`; without it a resume
   returns the backup's host memory to the OS;
+* `get_cpu_backup(x, zero_copy=True)`: a tensor over the raw host backup itself, which it keeps alive
+  (`_tms_backup.py`);
 * the `TMS_*` environment variables, read when the saver initialises (`_tms_env.py`).
 
 Where torch_memory_saver exits the process (a CUDA error, pausing a paused tag, an unknown tensor, a bad
@@ -45,8 +47,9 @@ from typing import TYPE_CHECKING, Any, Literal, Optional, Union
 import torch
 
 from . import _native, _preload
-from ._native import CumemError, CumemOutOfMemoryError, CumemTypeError, CumemValueError
+from ._native import CumemError, CumemOutOfMemoryError, CumemTypeError, CumemValueError, HostBytes
 from ._pools import check_tag, new_pool, pool_activity, pool_block
+from ._tms_backup import copy_of, tensor_of_bytes, tensor_over
 from ._tms_env import CPU_BACKUP_BACKENDS, TmsEnv, read_tms_env
 from ._tms_state import DEFAULT_TAG, CState, Impl, RegionState, ThreadStates
 
@@ -125,6 +128,8 @@ class TorchMemorySaver:
         # so that region memory and other memory never share torch's cached blocks.
         self._region_pools: dict[tuple[str, str, int], torch.cuda.MemPool] = {}
         self._memory_margin_bytes = 0
+        # retain_cpu_backup was set to False while the allocator kept host memory: applied by the next resume.
+        self._release_at_resume = False
         # Every tag a region or graph of this object used, with its backup (one setting per tag).
         # Per tag of the API: backup setting -> the allocator tag holding that memory (`_use_tag`).
         self._tags: dict[str, dict[str, str]] = {}
@@ -463,6 +468,9 @@ class TorchMemorySaver:
             return
         if self._memory_margin_bytes > 0:
             self._check_margin(alloc, tags)
+        if self._release_at_resume:
+            alloc.native.set_keep_host_memory(False)
+            self._release_at_resume = False
         alloc.resume(tags)
 
     def _check_margin(self, alloc: "Backend", tags: list[str]) -> None:
@@ -527,12 +535,21 @@ class TorchMemorySaver:
         TMS_RETAIN_CPU_BACKUP, as in torch_memory_saver): cumem_rs's `set_keep_host_memory`, process-wide, set when
         the saver initialises. True also keeps the backups bound to their allocations (retained backups: the next
         pause copies only the chunks that changed); False returns the backup's host memory to the OS at every
-        resume, and every pause copies everything."""
-        return self._allocator().native.keep_host_memory()
+        resume, and every pause copies everything. Set to False, it takes effect at the next resume, as there: the
+        retained backups of awake memory stay until then (`get_cpu_backup` shows them, a pause reuses them)."""
+        native = self._allocator().native
+        return not self._release_at_resume and native.keep_host_memory()
 
     @retain_cpu_backup.setter
     def retain_cpu_backup(self, value: bool) -> None:
-        self._allocator().native.set_keep_host_memory(_check_flag(value, "retain_cpu_backup"))
+        native = self._allocator().native
+        if _check_flag(value, "retain_cpu_backup"):
+            self._release_at_resume = False
+            native.set_keep_host_memory(True)
+        elif native.keep_host_memory():
+            # As there, False is consulted by the next resume: until then the retained backups of awake memory stay
+            # (get_cpu_backup shows them; a pause reuses them, at the same address).
+            self._release_at_resume = True
 
     def set_disk_backup_dir(self, path: str) -> None:
         """The directory for the backups of disk-backup regions (created if needed), process-wide: the allocator's
@@ -546,10 +563,20 @@ class TorchMemorySaver:
     # -- backups --------------------------------------------------------------------------------------------------
 
     def get_cpu_backup(self, x: torch.Tensor, zero_copy: bool = False) -> Optional[torch.Tensor]:
-        """A CPU tensor (same dtype, shape and strides) with the backed-up contents of the paused CUDA tensor `x`;
-        None while `x` is not paused. Raises CumemError when `x` was paused without CPU backup and ValueError when
-        it is not memory of a region. `zero_copy=True` is accepted but still returns a copy: a view into the
-        backup would dangle once resume hands that host memory to the next pause."""
+        """A CPU tensor (same dtype, shape and strides) with the backed-up contents of the CUDA tensor `x`: of its
+        pause while it is paused, or, while it is awake, of the retained backup a resume with retain_cpu_backup
+        kept (the bytes of that pause, as there); None when there is none (awake without a retained backup).
+        Raises CumemError when `x` was paused without CPU backup and ValueError when it is not memory of a region.
+
+        `zero_copy=True` returns a view: the tensor's storage is the backup's host memory itself, at the same
+        address for as long as the backup stays there (across a retained resume and the next pause, which updates
+        it in place). It never dangles: after the backup is released (a resume without retain_cpu_backup, a free,
+        the allocator closed) or moved, it shows the bytes as they were, and the memory goes back to the OS with
+        the last tensor over it. It is writable (torch has no read-only tensors): a write changes what the next
+        resume restores, and makes the next pause copy that allocation whole (a write behind the fingerprints'
+        back never stays unseen). Where no raw host bytes exist, zero_copy falls back to a copy: a disk backup of a
+        paused tensor (read from its file), a compressed one (a policy set outside the saver). `zero_copy=False`
+        (the default) always copies."""
         if not isinstance(x, torch.Tensor):
             raise CumemTypeError(f"get_cpu_backup needs a torch.Tensor, got {type(x).__name__}")
         if not x.is_cuda:
@@ -559,16 +586,34 @@ class TorchMemorySaver:
                 f"get_cpu_backup needs a contiguous tensor (shape {tuple(x.shape)}, strides {x.stride()})"
             )
         _check_flag(zero_copy, "zero_copy")
-        data = self._read_backup(x.data_ptr(), x.numel() * x.element_size())
-        if data is None:
-            return None
-        if x.numel() == 0:
-            return torch.empty(x.shape, dtype=x.dtype)
-        return torch.frombuffer(bytearray(data), dtype=torch.uint8).view(x.dtype).view(x.shape)
+        return self._cpu_backup(x.data_ptr(), x.numel() * x.element_size(), x.dtype, tuple(x.shape), zero_copy)
+
+    def _cpu_backup(
+        self, ptr: int, nbytes: int, dtype: torch.dtype, shape: tuple[int, ...], zero_copy: bool
+    ) -> Optional[torch.Tensor]:
+        """`get_cpu_backup` of the memory [ptr, ptr+nbytes) as a tensor of `dtype` and `shape`."""
+        if zero_copy:
+            view = self._view_backup(ptr, nbytes, writable=True)
+            if view is not None:
+                return tensor_over(view, nbytes, dtype, shape)
+        data = self._read_backup(ptr, nbytes)
+        if data is not None:
+            return tensor_of_bytes(data, nbytes, dtype, shape)
+        # Awake: the retained backup, if it is in host memory (one in a file is torch_memory_saver's disk backup,
+        # which it does not read while awake either).
+        return copy_of(self._view_backup(ptr, nbytes, writable=False), nbytes, dtype, shape)
+
+    def _view_backup(self, ptr: int, nbytes: int, writable: bool) -> Optional[HostBytes]:
+        """The raw host bytes [ptr, ptr+nbytes) of a backup (of paused memory, or retained by awake memory) where
+        they lie; None when there are none (no backup, or one in a file)."""
+        try:
+            # At least one byte: an empty tensor still answers whether its allocation has a backup.
+            return self._allocator().native.view_backup(ptr, max(nbytes, 1), writable)
+        except ValueError as e:
+            raise CumemValueError(f"tensor at {ptr:#x} ({nbytes} bytes) is not memory of a region: {e}") from e
 
     def _read_backup(self, ptr: int, nbytes: int) -> Optional[bytes]:
-        """The backed-up bytes [ptr, ptr+nbytes) of paused region memory; None while it is awake (a resume
-        without retain_cpu_backup has returned the backup's host memory)."""
+        """A copy of the backed-up bytes [ptr, ptr+nbytes) of paused region memory; None while it is awake."""
         try:
             # At least one byte: an empty tensor still answers whether its allocation is paused.
             return self._allocator().native.read_backup(ptr, max(nbytes, 1))

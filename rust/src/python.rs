@@ -20,6 +20,7 @@ use crate::{ffi, global};
 
 mod convert;
 mod errors;
+mod host_bytes;
 mod nvcomp;
 mod preload;
 mod results;
@@ -663,6 +664,25 @@ impl Allocator {
         })
     }
 
+    /// The backed-up bytes [address, address+size) where they lie: a `HostBytes` when the backup (asleep, or
+    /// retained by an awake allocation) is raw host memory, else None (read_backup copies the others).
+    #[pyo3(signature = (address, size, writable = None))]
+    fn view_backup<'py>(
+        &self,
+        py: Python<'py>,
+        address: &Bound<'py, PyAny>,
+        size: &Bound<'py, PyAny>,
+        writable: Option<&Bound<'py, PyAny>>,
+    ) -> PyResult<Option<host_bytes::HostBytes>> {
+        guard(|| {
+            let addr = address_arg(address)?;
+            let size = size_arg(size, "size", true)?;
+            let writable = writable.map_or(Ok(true), |w| bool_arg(w, "writable"))?;
+            let view = py.detach(|| self.engine.view_backup(addr, size, writable))?;
+            Ok(view.map(host_bytes::HostBytes::new))
+        })
+    }
+
     fn keep_host_memory(&self, py: Python<'_>) -> PyResult<bool> {
         guard(|| Ok(py.detach(|| self.engine.keep_host_memory())?))
     }
@@ -755,6 +775,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
         )?;
         errors::register(m)?;
         m.add_class::<Allocator>()?;
+        m.add_class::<host_bytes::HostBytes>()?;
         m.add_function(wrap_pyfunction!(cuda_available, m)?)?;
         m.add_function(wrap_pyfunction!(is_cuda_allocator_ready, m)?)?;
         m.add_function(wrap_pyfunction!(ffi_errors, m)?)?;

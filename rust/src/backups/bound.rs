@@ -81,7 +81,7 @@ impl BackupStore {
             .map(|(arena, offset, _)| (arena.clone(), offset))
     }
 
-    /// Every maximal run of bytes of an arena in use that no backup (asleep or retained) lies in and that is
+    /// Every maximal run of bytes of an arena in use that no backup (asleep or retained) or live view lies in and that is
     /// pinned whole, as (arena, offset, length). The blobs of compressed backups lie in arenas too: their bytes
     /// are in use like a raw backup's. Copies into an arena are waited for before the call that queued them
     /// returns, so no copy is in flight into a hole.
@@ -97,6 +97,11 @@ impl BackupStore {
                 let ranges = used.entry(Arc::as_ptr(arena) as usize).or_default();
                 ranges.push((offset, len));
             }
+        }
+        // Bytes that live views show stay as they are (view.rs).
+        for (arena, offset, len) in self.views.ranges() {
+            let ranges = used.entry(Arc::as_ptr(&arena) as usize).or_default();
+            ranges.push((offset, len));
         }
         self.arenas.iter().flat_map(move |arena| {
             let mut ranges = used

@@ -19,6 +19,7 @@ mod file_tier;
 mod pin_ahead;
 mod retain;
 mod spill_file;
+mod view;
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -40,6 +41,7 @@ pub use pin_ahead::PinAheadStatus;
 pub use retain::SleepPrints;
 pub use spill_file::{FaultKind, SPILL_DIR_ENV};
 use spill_file::{Faults, PosixIo, SpillDir, SpillFile};
+pub use view::HostView;
 
 /// Host arena cell pinned at a time during a cold sleep: large enough that per-call overheads vanish, small
 /// enough that the first copies start early.
@@ -266,6 +268,8 @@ pub struct BackupStore {
     ratio_guess: f64,
     /// Raw bytes of the asleep backups in host memory (`asleep_bytes` counts the bytes they take).
     asleep_raw: usize,
+    /// Views of host backups handed out (view.rs).
+    views: view::Views,
 }
 
 /// Record what pinning absorbed: registrations the driver's own allocation served, and worker threads that could
@@ -318,6 +322,7 @@ impl BackupStore {
             compress: config.compress,
             ratio_guess: compressed::FIRST_RATIO_GUESS,
             asleep_raw: 0,
+            views: view::Views::default(),
             driver,
         }
     }
@@ -371,6 +376,7 @@ impl BackupStore {
             self.take(*a);
         }
         self.retention.drop(addrs);
+        self.views.forget(addrs);
         self.collect_unused(log);
     }
 
@@ -479,6 +485,8 @@ impl BackupStore {
                         log.record("returning host backup memory", &e);
                     }
                 }
+                // Held by views only: theirs from now on, unmapped when the last goes (view.rs).
+                Err(still_used) if self.views.only_viewed(&still_used) => {}
                 Err(still_used) => self.arenas.push(still_used),
             }
         }

@@ -12,11 +12,12 @@
 //! - prints and retained backups are dropped by free, discard, a sleep that does not offload the tag, a wake
 //!   without retention, trim_host, set_keep_host_memory(False), set_retain_backups(False), a chunk size change;
 //! - any failure in this path (prints that cannot be queued or read) counts every chunk as changed, and an
-//!   allocation whose new prints are missing keeps none;
+//!   allocation whose new prints are missing keeps none; a wake that retains binds a backup whose sleep took no
+//!   prints because wakes did not retain then, and its next sleep copies it whole, into the same bytes;
 //! - a sleep that fails leaves the allocation awake and drops its retained backup, whose host bytes may be half
 //!   overwritten; copies into it are always waited for before that.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::time::Instant;
 
 use super::file_tier::{align_runs, FileRewrite};
@@ -43,6 +44,9 @@ pub(super) struct Retention {
     pub(super) retained: HashMap<DevPtr, Backup>,
     /// Chunk fingerprints of backups (of asleep allocations, and of retained ones).
     prints: HashMap<DevPtr, Prints>,
+    /// Asleep allocations whose sleep took no prints because wakes did not retain then (not because prints
+    /// failed): a wake that retains binds their backup all the same (see `bind_restored`).
+    unprinted: HashSet<DevPtr>,
     /// Policy: keep backups across wake (`set_retain_backups`).
     on: bool,
     /// Set when the fingerprint kernel cannot run here: retention stays off.
@@ -56,6 +60,7 @@ impl Retention {
         Retention {
             retained: HashMap::new(),
             prints: HashMap::new(),
+            unprinted: HashSet::new(),
             on,
             unavailable: false,
             chunk,
@@ -80,18 +85,20 @@ impl Retention {
     }
 
     pub(super) fn drop(&mut self, addrs: &[DevPtr]) {
-        if self.prints.is_empty() && self.retained.is_empty() {
+        if self.prints.is_empty() && self.retained.is_empty() && self.unprinted.is_empty() {
             return;
         }
         for a in addrs {
             self.prints.remove(a);
             self.retained.remove(a);
+            self.unprinted.remove(a);
         }
     }
 
     fn clear(&mut self) {
         self.prints.clear();
         self.retained.clear();
+        self.unprinted.clear();
     }
 }
 
@@ -99,6 +106,8 @@ impl Retention {
 /// (compare, queue the copies of changed chunks), then the engine releases each retained allocation as
 /// `next_changed` reports its copies done, and `keep_sleep_prints` keeps the new prints.
 pub struct SleepPrints {
+    /// Whether wakes retained when this sleep began (else it takes no prints).
+    retaining: bool,
     batches: Batches,
     /// Markers after the fingerprint batches (None: no marker could be recorded, wait for the whole stream).
     markers: Vec<StreamPoint>,
@@ -237,14 +246,18 @@ impl BackupStore {
 
     // ----- wake --------------------------------------------------------------------------------------------
 
-    /// Wake succeeded: bind each restored allocation's backup to it when its prints describe that backup;
-    /// otherwise forget the prints. `restored` are the backups the wake restored from (taken with `take`).
+    /// Wake succeeded: bind each restored allocation's backup to it while wakes retain (with the prints that
+    /// describe it, when its sleep took them); otherwise forget the prints. `restored` are the backups the wake restored from (taken with `take`).
     pub fn bind_restored(&mut self, restored: Vec<(DevPtr, Backup)>) {
         let keep = self.retaining();
         let r = &mut self.retention;
         for (addr, backup) in restored {
             // A file backup too: it keeps its disk blocks, and the next sleep rewrites its changed chunks only.
-            if keep && r.prints.contains_key(&addr) {
+            // Without prints because its sleep did not retain (torch_memory_saver's retain_cpu_backup set while
+            // paused) it is bound too, at the same host bytes: its next sleep counts every chunk as changed and
+            // copies it whole there. Prints that failed bind nothing (see the module comment).
+            let unprinted = r.unprinted.remove(&addr);
+            if keep && (unprinted || r.prints.contains_key(&addr)) {
                 r.retained.insert(addr, backup);
             } else {
                 r.prints.remove(&addr);
@@ -258,9 +271,8 @@ impl BackupStore {
     /// (returned; their changed chunks go into it) and the others (left in `backed`).
     pub fn split_retained(&self, backed: &mut Vec<DevPtr>) -> Vec<DevPtr> {
         let r = &self.retention;
-        let (retained, fresh): (Vec<DevPtr>, Vec<DevPtr>) = backed
-            .iter()
-            .partition(|a| r.retained.contains_key(a) && r.prints.contains_key(a));
+        let (retained, fresh): (Vec<DevPtr>, Vec<DevPtr>) =
+            backed.iter().partition(|a| r.retained.contains_key(a));
         *backed = fresh;
         retained
     }
@@ -276,6 +288,7 @@ impl BackupStore {
     ) -> SleepPrints {
         let started = Instant::now();
         let mut sp = SleepPrints {
+            retaining: self.retaining(),
             batches: Batches::new(),
             markers: Vec::new(),
             backed: retained.iter().chain(fresh).copied().collect(),
@@ -289,7 +302,7 @@ impl BackupStore {
             copied_bytes: 0,
             seconds: 0.0,
         };
-        if !self.retaining() {
+        if !sp.retaining {
             return sp;
         }
         let chunk = self.retention.chunk;
@@ -348,13 +361,15 @@ impl BackupStore {
                 .get(&addr)
                 .expect("split on it")
                 .clone();
-            let before = self.retention.prints.get(&addr).expect("split on it");
-            let after = sp.now.get(&addr);
+            // No prints of the backup (bound without them, see `bind_restored`): every chunk counts as changed. So
+            // does every chunk of a backup handed out as a writable view since its last sleep (view.rs).
+            let before = self.retention.prints.get(&addr);
+            let after = sp.now.get(&addr).filter(|_| !self.views.touched(addr));
             // Runs of changed chunks, each copied with as few calls as the arena's pinned pieces allow.
             let mut runs: Vec<(usize, usize)> = Vec::new();
             for (i, (off, len)) in fingerprint::chunks(size, chunk).enumerate() {
                 sp.chunks_checked += 1;
-                if after.is_some_and(|f| f.get(i) == before.get(i)) {
+                if after.is_some_and(|f| before.is_some_and(|b| f.get(i) == b.get(i))) {
                     sp.skipped_bytes += len;
                 } else if let Some(run) = runs.last_mut().filter(|r| r.0 + r.1 == off) {
                     run.1 += len;
@@ -440,7 +455,12 @@ impl BackupStore {
     /// every allocation now asleep with a backup keeps the prints taken now.
     pub fn keep_sleep_prints(&mut self, sp: SleepPrints) {
         self.retention.drop(&sp.backed);
+        self.views.slept(&sp.backed);
         let mut now = sp.now;
+        if !sp.retaining {
+            let asleep = sp.backed.iter().filter(|a| self.asleep.contains_key(a));
+            self.retention.unprinted.extend(asleep);
+        }
         for addr in sp.backed {
             if let (true, Some(prints)) = (self.asleep.contains_key(&addr), now.remove(&addr)) {
                 self.retention.prints.insert(addr, prints);

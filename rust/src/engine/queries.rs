@@ -4,6 +4,7 @@
 use std::collections::BTreeMap;
 
 use super::{tag_set, AllocationInfo, BackupTier, Engine, Stats, Status, TagPolicy, TagStatus};
+use crate::backups::HostView;
 use crate::driver::DevPtr;
 use crate::error::{Error, Result};
 use crate::registry::State;
@@ -141,6 +142,26 @@ impl Engine {
         let mut out = vec![0u8; len];
         backup.read_at((addr - a.addr) as usize, &mut out)?;
         Ok(Some(out))
+    }
+
+    /// A view of the backed-up bytes [addr, addr+len) where they lie, when its allocation's backup (asleep, or
+    /// retained by an awake one) is raw bytes in host memory; None otherwise (no backup, compressed, in a file:
+    /// `read_backup` copies those). The view keeps its bytes mapped as long as it lives; `writable`: whether the
+    /// caller may write through it (backups/view.rs).
+    pub fn view_backup(
+        &self,
+        addr: DevPtr,
+        len: usize,
+        writable: bool,
+    ) -> Result<Option<HostView>> {
+        let mut inner = self.lock_open()?;
+        let a = inner.reg.containing(addr, len.max(1)).ok_or_else(|| {
+            Error::invalid(format!(
+                "[{addr:#x}, +{len}) is not inside one live allocation"
+            ))
+        })?;
+        let (base, at) = (a.addr, (addr - a.addr) as usize);
+        Ok(inner.backups.view(base, at, len, writable))
     }
 
     /// Bytes of the arena a sleep offloading `tags` would need now: their awake allocations, except those of
