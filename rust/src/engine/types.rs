@@ -27,6 +27,11 @@ pub struct Report {
     pub read_bytes: usize,
     /// Seconds of the file tier's pipeline (its rate: written or read bytes over these).
     pub file_seconds: f64,
+    /// Wake: of `file_seconds`, those the pipeline waited for file reads (the disk's share), and those it spent
+    /// queueing the staging ring's copies to the device and waiting for them before a slot could take the next
+    /// read.
+    pub file_read_wait_seconds: f64,
+    pub file_copy_seconds: f64,
     /// Compressed backups this call made (sleep) or restored (wake): their raw bytes, and the host bytes their
     /// blobs take (`stored_bytes / raw_bytes` is the ratio). Raw backups count in neither.
     pub raw_bytes: usize,

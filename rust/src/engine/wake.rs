@@ -109,11 +109,13 @@ impl Engine {
                 .map(|a| (inner.reg.get(*a).expect("selected").device, *a))
                 .collect();
             let file_start = Instant::now();
-            let read = inner
+            let restored = inner
                 .backups
                 .restore_files(&*self.driver, &placed, &mut inner.log)?;
             report.file_seconds += file_start.elapsed().as_secs_f64();
-            read
+            report.file_read_wait_seconds += restored.times.read_wait_seconds;
+            report.file_copy_seconds += restored.times.copy_seconds;
+            restored.bytes
         };
         if read > 0 {
             report.read_bytes += read;
