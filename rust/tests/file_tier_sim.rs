@@ -275,6 +275,7 @@ fn a_failed_copy_from_the_ring_to_the_device_fails_the_wake_and_keeps_the_backup
 fn a_wake_from_files_reports_where_its_pipeline_time_went() {
     let dir = TempDir::new("phases");
     let (sim, e) = spilling(&dir, 0);
+    e.set_retain_backups(false).unwrap(); // the wake drops its file backups: the spill file closes in it
     let tensors: Vec<_> = (0..4).map(|i| weights(&e, 2, i as u8)).collect();
     let slept = e.sleep(&["weights"]).unwrap();
     assert_eq!(
@@ -291,11 +292,17 @@ fn a_wake_from_files_reports_where_its_pipeline_time_went() {
         read + copy <= woke.file_seconds,
         "parts of the pipeline: {woke:?}"
     );
-    assert!(woke.file_seconds <= woke.seconds, "{woke:?}");
+    assert!(
+        woke.file_seconds + woke.release_seconds <= woke.seconds,
+        "{woke:?}"
+    );
+    assert!(
+        woke.release_seconds > 0.0,
+        "the spill file was closed: {woke:?}"
+    );
     // Host backups only: no file pipeline, no parts of it.
     e.set_host_budget(None).unwrap();
     e.set_spill_dir(None).unwrap();
-    e.set_retain_backups(false).unwrap();
     e.sleep(&["weights"]).unwrap();
     let woke = e.wake::<&str>(None).unwrap();
     assert_eq!(woke.read_bytes, 0);

@@ -47,8 +47,10 @@ impl Engine {
             .map(|a| (*a, inner.backups.take(*a).expect("backed up")))
             .collect();
         self.commit_mapped(inner, mapped);
+        let release = Instant::now();
         inner.backups.bind_restored(restored);
         inner.backups.collect_unused(&mut inner.log);
+        report.release_seconds = release.elapsed().as_secs_f64();
         Self::note_peak(inner);
         report.seconds = start.elapsed().as_secs_f64();
         log::debug!(

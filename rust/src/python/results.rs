@@ -45,6 +45,7 @@ pub(super) fn report_dict<'py>(py: Python<'py>, r: &Report) -> PyResult<Bound<'p
         "file_seconds" => r.file_seconds,
         "file_read_wait_seconds" => r.file_read_wait_seconds,
         "file_copy_seconds" => r.file_copy_seconds,
+        "release_seconds" => r.release_seconds,
         "file_gb_per_s" => file_gb_per_s,
         "raw_bytes" => r.raw_bytes,
         "stored_bytes" => r.stored_bytes,
