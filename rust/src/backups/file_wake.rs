@@ -201,3 +201,161 @@ impl FileRestore {
         })
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backups::{BackupTier, StoreConfig};
+    use crate::driver::sim::{SimConfig, SimDriver};
+    use crate::driver::PhysHandle;
+
+    const GRAN: usize = 64 << 10;
+
+    struct Setup {
+        sim: Arc<SimDriver>,
+        store: BackupStore,
+        addrs: Vec<DevPtr>,
+        dir: std::path::PathBuf,
+    }
+
+    /// Three one-granule allocations backed up to a spill file (several ring slots each) and unmapped, as a sleep
+    /// leaves them.
+    fn asleep_in_a_file(name: &str) -> Setup {
+        let dir = std::env::temp_dir().join(format!("cumem-rs-wake-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let sim = Arc::new(
+            SimDriver::new(SimConfig {
+                granularity: GRAN,
+                ..SimConfig::default()
+            })
+            .unwrap(),
+        );
+        let config = StoreConfig {
+            retain: false,
+            fingerprint_chunk: GRAN,
+            pin_chunk: GRAN,
+            host_limit: None,
+            host_budget: Some(0),
+            spill_dir: Some(dir.clone()),
+            compress: false,
+        };
+        let mut store = BackupStore::new(sim.clone(), config);
+        store.set_staging_bytes(8 * 4096).unwrap();
+        let mut log = ErrorLog::default();
+        let mut mapped: Vec<(DevPtr, PhysHandle)> = Vec::new();
+        for _ in 0..3 {
+            let addr = sim.reserve(0, GRAN).unwrap();
+            let h = sim.create(0, GRAN).unwrap();
+            sim.map(addr, GRAN, h).unwrap();
+            sim.set_access(0, addr, GRAN).unwrap();
+            mapped.push((addr, h));
+        }
+        let wanted: Vec<_> = (mapped.iter())
+            .map(|&(a, _)| (a, 0, GRAN, BackupTier::File))
+            .collect();
+        let (host, plan) = store.plan_tiers(&wanted, &mut log).unwrap();
+        assert!(host.is_empty());
+        let mut refused = None;
+        let written = plan
+            .unwrap()
+            .write_out(&*sim, &mut refused, |job, b| store.keep(job.addr, b))
+            .unwrap();
+        assert_eq!(written, 3 * GRAN);
+        for &(addr, h) in &mapped {
+            sim.unmap(addr, GRAN).unwrap();
+            sim.release(h).unwrap();
+        }
+        let addrs = mapped.iter().map(|m| m.0).collect();
+        Setup {
+            sim,
+            store,
+            addrs,
+            dir,
+        }
+    }
+
+    impl Setup {
+        /// Map `addr` again (what an engine does from `before_copy`); the handle goes to `handles`.
+        fn map(&self, addr: DevPtr, handles: &mut Vec<(DevPtr, PhysHandle)>) -> Result<()> {
+            let h = self.sim.create(0, GRAN)?;
+            self.sim.map(addr, GRAN, h)?;
+            self.sim.set_access(0, addr, GRAN)?;
+            handles.push((addr, h));
+            Ok(())
+        }
+
+        fn finish(self, handles: Vec<(DevPtr, PhysHandle)>) {
+            for (addr, h) in handles {
+                self.sim.unmap(addr, GRAN).unwrap();
+                self.sim.release(h).unwrap();
+            }
+            for &a in &self.addrs {
+                self.sim.free_range(a, GRAN).unwrap();
+            }
+            drop(self.store);
+            assert_eq!(self.sim.counts().markers, 0, "every marker waited for");
+            std::fs::remove_dir_all(&self.dir).unwrap();
+        }
+    }
+
+    #[test]
+    fn each_allocation_is_handed_to_before_copy_once_before_any_copy_into_it() {
+        let mut s = asleep_in_a_file("hook");
+        let targets: Vec<(i32, DevPtr)> = s.addrs.iter().map(|a| (0, *a)).collect();
+        let mut log = ErrorLog::default();
+        let restore = s
+            .store
+            .plan_file_restore(&targets, &mut log)
+            .unwrap()
+            .unwrap();
+        assert_eq!(restore.addrs().collect::<Vec<_>>(), s.addrs);
+        let (mut refused, mut times) = (None, FileWakeTimes::default());
+        let mut handles = Vec::new();
+        // Unmapped until the hook maps them: a copy queued into one before its hook would fail in the sim.
+        let read = restore.run(&*s.sim, &mut refused, &mut times, |a| {
+            s.map(a, &mut handles)
+        });
+        assert_eq!(read.unwrap(), 3 * GRAN);
+        let (mut seen, mut all): (Vec<DevPtr>, Vec<DevPtr>) =
+            (handles.iter().map(|h| h.0).collect(), s.addrs.clone());
+        seen.sort_unstable();
+        all.sort_unstable();
+        assert_eq!(seen, all, "once each");
+        assert!(times.before_copy_seconds > 0.0 && times.read_wait_seconds > 0.0);
+        drop(restore);
+        s.finish(handles);
+    }
+
+    #[test]
+    fn a_failed_before_copy_fails_the_pipeline_after_every_copy_in_flight() {
+        let mut s = asleep_in_a_file("hook-fails");
+        let targets: Vec<(i32, DevPtr)> = s.addrs.iter().map(|a| (0, *a)).collect();
+        let mut log = ErrorLog::default();
+        let restore = s
+            .store
+            .plan_file_restore(&targets, &mut log)
+            .unwrap()
+            .unwrap();
+        let (mut refused, mut times) = (None, FileWakeTimes::default());
+        let (mut handles, mut calls) = (Vec::new(), 0);
+        let read = restore.run(&*s.sim, &mut refused, &mut times, |a| {
+            calls += 1;
+            if calls == 2 {
+                return Err(Error::InvalidState("no memory for the second one".into()));
+            }
+            s.map(a, &mut handles)
+        });
+        let err = read.unwrap_err();
+        assert!(err.to_string().contains("second one"), "{err}");
+        assert_eq!(calls, 2, "never called after the failure");
+        assert_eq!(
+            s.sim.counts().markers,
+            0,
+            "every copy queued was waited for"
+        );
+        drop(restore);
+        assert_eq!(s.store.file_bytes(), 3 * GRAN, "the backups stay");
+        s.finish(handles);
+    }
+}
