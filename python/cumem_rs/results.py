@@ -55,6 +55,13 @@ class Report(TypedDict):
     #: Seconds of the file tier's pipeline, and its rate ((written or read bytes) / file_seconds / 1e9).
     file_seconds: float
     file_gb_per_s: float
+    #: Wake: of file_seconds, those its pipeline waited for file reads (the disk's share) and those it spent on the
+    #: staging ring's copies to the device, queueing and waiting for them (0.0 on sleep and without files).
+    file_read_wait_seconds: float
+    file_copy_seconds: float
+    #: Wake: seconds spent giving back what the restored backups held (host arenas, spill-file disk blocks: a spill
+    #: file whose last backup went is closed, and the file system frees its blocks then) after the wake succeeded.
+    release_seconds: float
     #: Compressed backups the call made (sleep) or restored (wake): their raw bytes and the host bytes their
     #: blobs take (stored_bytes / raw_bytes is the ratio); raw backups count in neither.
     raw_bytes: int

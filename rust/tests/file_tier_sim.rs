@@ -240,6 +240,85 @@ fn a_failed_device_copy_into_the_ring_keeps_every_allocation_whole() {
 }
 
 #[test]
+fn a_failed_copy_from_the_ring_to_the_device_fails_the_wake_and_keeps_the_backups() {
+    use cumem_rs::driver::Op;
+    let dir = TempDir::new("h2d-faults");
+    for nth in 1..=6 {
+        let (sim, e) = spilling(&dir, 0);
+        let tensors: Vec<_> = (0..3).map(|i| weights(&e, 1 + i % 2, i as u8)).collect();
+        e.sleep(&["weights"]).unwrap();
+        let used = sim.counts().used_bytes[0];
+        sim.inject_fault(Op::CopyH2D, nth, cumem_rs::error::cuda_code::UNKNOWN)
+            .unwrap();
+        let r = e.wake::<&str>(None);
+        sim.clear_faults();
+        assert!(r.is_err(), "copy {nth} of the wake failed");
+        assert_eq!(
+            e.stats().asleep_allocations,
+            3,
+            "copy {nth}: all stay asleep"
+        );
+        assert_eq!(
+            sim.counts().used_bytes[0],
+            used,
+            "what the wake mapped was released"
+        );
+        e.wake::<&str>(None).unwrap();
+        check_data(&e, &tensors);
+        e.close().unwrap();
+        assert_no_leaks(&sim);
+    }
+}
+
+/// The wake report splits the file pipeline's time into waiting for reads and the ring's device copies (what
+/// the GPU bench prints to show where a wake from files spends its time); none of it without files.
+#[test]
+fn a_wake_from_files_reports_where_its_pipeline_time_went() {
+    let dir = TempDir::new("phases");
+    let (sim, e) = spilling(&dir, 0);
+    e.set_retain_backups(false).unwrap(); // the wake drops its file backups: the spill file closes in it
+    let tensors: Vec<_> = (0..4).map(|i| weights(&e, 2, i as u8)).collect();
+    let slept = e.sleep(&["weights"]).unwrap();
+    assert_eq!(
+        (slept.file_read_wait_seconds, slept.file_copy_seconds),
+        (0.0, 0.0),
+        "wake only"
+    );
+    let woke = e.wake::<&str>(None).unwrap();
+    check_data(&e, &tensors);
+    assert_eq!(woke.read_bytes, 8 * GRAN);
+    let (read, copy) = (woke.file_read_wait_seconds, woke.file_copy_seconds);
+    assert!(read > 0.0 && copy > 0.0, "{woke:?}");
+    assert!(
+        read + copy <= woke.file_seconds,
+        "parts of the pipeline: {woke:?}"
+    );
+    assert!(
+        woke.file_seconds + woke.release_seconds <= woke.seconds,
+        "{woke:?}"
+    );
+    assert!(
+        woke.release_seconds > 0.0,
+        "the spill file was closed: {woke:?}"
+    );
+    // Host backups only: no file pipeline, no parts of it.
+    e.set_host_budget(None).unwrap();
+    e.set_spill_dir(None).unwrap();
+    e.sleep(&["weights"]).unwrap();
+    let woke = e.wake::<&str>(None).unwrap();
+    assert_eq!(woke.read_bytes, 0);
+    let parts = (
+        woke.file_seconds,
+        woke.file_read_wait_seconds,
+        woke.file_copy_seconds,
+    );
+    assert_eq!(parts, (0.0, 0.0, 0.0));
+    check_data(&e, &tensors);
+    e.close().unwrap();
+    assert_no_leaks(&sim);
+}
+
+#[test]
 fn free_and_close_drop_file_backups_and_the_ring() {
     let dir = TempDir::new("free");
     let (sim, e) = spilling(&dir, 0);

@@ -155,6 +155,8 @@ def _cycles(ctx: Context, core: Any, subject: Any, key: str, label: str, n: int,
         subject.verify()
         recs.append(dict(sleep_s=ts, wake_s=tw, written=rep["written_bytes"], read=woke["read_bytes"],
                          sleep_file_s=rep["file_seconds"], wake_file_s=woke["file_seconds"],
+                         wake_read_wait_s=woke["file_read_wait_seconds"], wake_copy_s=woke["file_copy_seconds"],
+                         wake_release_s=woke["release_seconds"], wake_core_s=woke["seconds"],
                          file_bytes=st["file_tier_bytes"], host_tier_bytes=st["host_tier_bytes"], held=held,
                          report=rep))
     written = statistics.median(r["written"] for r in recs)
@@ -168,10 +170,20 @@ def _cycles(ctx: Context, core: Any, subject: Any, key: str, label: str, n: int,
                   f"file system write rate{t}; bytes written to files")
     res.bandwidth(f"{key}_sleep_pipeline", "    of which the file pipeline (report file_seconds)", int(written),
                   statistics.median(r["sleep_file_s"] for r in recs), rate.write_gbps, "file system write rate")
+    # Where a wake's time went (medians, seconds): inside the file pipeline waiting for reads and on the ring's
+    # device copies; outside it, giving back what the restored backups held (closing the spill file frees its disk
+    # blocks) and the rest (maps, host copies, commit).
+    med = {k: statistics.median(r[k] for r in recs)
+           for k in ("wake_file_s", "wake_read_wait_s", "wake_copy_s", "wake_release_s", "wake_core_s")}
+    rest = max(0.0, med["wake_core_s"] - med["wake_file_s"] - med["wake_release_s"])
     res.bandwidth(f"{key}_wake", f"wake, {label}", int(read), wake_s, rate.read_gbps,
-                  f"file system read rate{t}; bytes read from files")
+                  f"file system read rate{t}; bytes read from files; outside the pipeline: giving back the backups "
+                  f"{med['wake_release_s'] * 1e3:.1f} ms, maps and the rest {rest * 1e3:.1f} ms")
     res.bandwidth(f"{key}_wake_pipeline", "    of which the file pipeline (report file_seconds)", int(read),
-                  statistics.median(r["wake_file_s"] for r in recs), rate.read_gbps, "file system read rate")
+                  med["wake_file_s"], rate.read_gbps,
+                  f"file system read rate; waiting for reads {med['wake_read_wait_s'] * 1e3:.1f} ms, ring -> device "
+                  f"copies {med['wake_copy_s'] * 1e3:.1f} ms")
+    res.metrics[f"{key}_wake_phases_s"] = dict(med, rest=rest)
     held = max(r["held"] for r in recs)
     bound = staging + budget
     res.value(f"{key}_host_held_bytes", f"    pinned host memory held while asleep (most of {n})", held,

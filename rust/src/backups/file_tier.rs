@@ -12,9 +12,10 @@
 //! Sleep: each file-tier allocation is cut into chunks of at most one slot; a slot is filled by a device copy,
 //! its marker waited for, then written by one of a few writer threads while the copies of the next slots run.
 //! An allocation is released only once all its chunks are written, so after any failure (a copy, a short write,
-//! ENOSPC, EIO) each allocation is awake with its data or asleep with a complete backup. Wake: chunks are read
-//! into slots by reader threads and copied from there to the device; every copy is waited for before the ring
-//! is used again, and a read error fails the wake (which releases what it mapped and keeps the backups).
+//! ENOSPC, EIO) each allocation is awake with its data or asleep with a complete backup. Wake (file_wake.rs):
+//! chunks are read into slots by reader threads and copied from there to the device; every copy is waited for
+//! before the ring is used again, and a read error fails the wake (which releases what it mapped and keeps the
+//! backups).
 //!
 //! Retained file backups (retain.rs): a file backup a wake restored from stays bound to its allocation (its disk
 //! blocks kept), and the next sleep writes only the chunks whose prints changed, device -> ring -> file at their
@@ -88,18 +89,18 @@ pub struct FileSleep {
 }
 
 /// Writer or reader threads doing a pipeline's file I/O; on the calling thread when none can be started.
-struct Workers<T, R> {
+pub(super) struct Workers<T, R> {
     tx: Option<Sender<T>>,
     rx: Receiver<R>,
     threads: usize,
     /// Why fewer threads than asked for started (the work then runs on fewer, or on the calling thread).
-    refused: Option<Error>,
+    pub(super) refused: Option<Error>,
     /// Results of work done on the calling thread.
     ready: VecDeque<R>,
 }
 
 impl<T: Send, R: Send> Workers<T, R> {
-    fn start<'s, 'e: 's, W>(
+    pub(super) fn start<'s, 'e: 's, W>(
         s: &'s Scope<'s, 'e>,
         n: usize,
         work: &'e W,
@@ -149,7 +150,7 @@ impl<T: Send, R: Send> Workers<T, R> {
         }
     }
 
-    fn submit(&mut self, task: T, work: &impl Fn(T) -> R) {
+    pub(super) fn submit(&mut self, task: T, work: &impl Fn(T) -> R) {
         if self.threads == 0 {
             self.ready.push_back(work(task));
         } else if let Err(e) = self.tx.as_ref().expect("open").send(task) {
@@ -158,7 +159,7 @@ impl<T: Send, R: Send> Workers<T, R> {
     }
 
     /// A finished task's result: waiting for one when `block`.
-    fn next(&mut self, block: bool) -> Option<R> {
+    pub(super) fn next(&mut self, block: bool) -> Option<R> {
         if let Some(r) = self.ready.pop_front() {
             return Some(r);
         }
@@ -180,14 +181,17 @@ impl<T, R> Drop for Workers<T, R> {
 }
 
 /// I/O threads per pipeline.
-const IO_THREADS: usize = 4;
+pub(super) const IO_THREADS: usize = 4;
 
-fn io_len(len: usize) -> usize {
+pub(super) fn io_len(len: usize) -> usize {
     len.next_multiple_of(IO_ALIGN)
 }
 
 /// (job, offset in the job, length) of every chunk of `sizes`, at most `slot` bytes each.
-fn chunks(sizes: impl Iterator<Item = usize>, slot: usize) -> Vec<(usize, usize, usize)> {
+pub(super) fn chunks(
+    sizes: impl Iterator<Item = usize>,
+    slot: usize,
+) -> Vec<(usize, usize, usize)> {
     let mut out = Vec::new();
     for (j, size) in sizes.enumerate() {
         let mut at = 0;
@@ -475,7 +479,7 @@ impl BackupStore {
         self.io.clear();
     }
 
-    fn ring(&mut self, log: &mut ErrorLog) -> Result<Arc<StagingRing>> {
+    pub(super) fn ring(&mut self, log: &mut ErrorLog) -> Result<Arc<StagingRing>> {
         if let Some(r) = &self.ring {
             return Ok(r.clone());
         }
@@ -646,110 +650,6 @@ impl BackupStore {
             items,
         }))
     }
-
-    // ----- wake ------------------------------------------------------------------------------------------
-
-    /// Restore the file backups of `targets` ((device, addr) of mapped, asleep allocations; those with a host
-    /// backup are skipped) file -> ring -> device. Every copy it queued is waited for before it returns, failure
-    /// or not. Ok: the bytes read.
-    pub fn restore_files(
-        &mut self,
-        driver: &dyn Driver,
-        targets: &[(i32, DevPtr)],
-        log: &mut ErrorLog,
-    ) -> Result<usize> {
-        let items: Vec<(i32, DevPtr, &Backup)> = (targets.iter())
-            .filter_map(|&(d, a)| self.asleep.get(&a).map(|b| (d, a, b)))
-            .filter(|(_, _, b)| b.file().is_some())
-            .collect();
-        if items.is_empty() {
-            return Ok(0);
-        }
-        let items: Vec<(i32, DevPtr, Backup)> = items
-            .into_iter()
-            .map(|(d, a, b)| (d, a, b.clone()))
-            .collect();
-        let ring = self.ring(log)?;
-        let io = self.io.clone();
-        let mut refused = None;
-        let read = read_in(driver, &ring, &*io, &items, &mut refused);
-        if let Some(e) = refused {
-            log.record(super::THREAD_REFUSED, &e);
-        }
-        read
-    }
-}
-
-/// The wake pipeline (see the module comment).
-fn read_in(
-    driver: &dyn Driver,
-    ring: &StagingRing,
-    io: &dyn SpillIo,
-    items: &[(i32, DevPtr, Backup)],
-    refused: &mut Option<Error>,
-) -> Result<usize> {
-    let chunks = chunks(items.iter().map(|i| i.2.len()), ring.slot_size());
-    let work = |(slot, mut mem, c): (usize, SlotMem, usize)| {
-        let (j, at, len) = chunks[c];
-        let (file, offset) = items[j].2.file().expect("file backups only");
-        let r = file.read_exact_at(io, mem.bytes_mut(io_len(len)), offset + at as u64);
-        (slot, c, r)
-    };
-    std::thread::scope(|s| {
-        let mut workers = Workers::start(s, IO_THREADS.min(ring.slots()), &work, driver);
-        *refused = workers.refused.take();
-        let mut free: Vec<usize> = (0..ring.slots()).rev().collect();
-        let mut copying: VecDeque<(usize, i32, u64)> = VecDeque::new();
-        let (mut next, mut pending, mut read) = (0, 0, 0);
-        let mut failed: Option<Error> = None;
-        loop {
-            while failed.is_none() && next < chunks.len() {
-                let Some(slot) = free.pop() else { break };
-                workers.submit((slot, ring.slot_mem(slot), next), &work);
-                pending += 1;
-                next += 1;
-            }
-            let starved = free.is_empty() && next < chunks.len() && failed.is_none();
-            if starved || pending == 0 {
-                if let Some((slot, device, marker)) = copying.pop_front() {
-                    if let Err(e) = driver.wait_marker(device, marker) {
-                        failed.get_or_insert(e);
-                    }
-                    free.push(slot);
-                    continue;
-                }
-            }
-            if pending > 0 {
-                let (slot, c, r) = workers.next(true).expect("a read in flight");
-                pending -= 1;
-                if let Err(e) = r {
-                    failed.get_or_insert(e);
-                }
-                if failed.is_some() {
-                    free.push(slot);
-                    continue;
-                }
-                let (j, at, len) = chunks[c];
-                let (device, addr, _) = items[j];
-                let queued = ring.queue_to_device(slot, device, addr + at as u64, len);
-                match queued.and_then(|()| driver.record_marker(device)) {
-                    Ok(m) => {
-                        read += len;
-                        copying.push_back((slot, device, m));
-                    }
-                    Err(e) => {
-                        let _ = driver.wait(device); // a copy queued without a marker behind it
-                        free.push(slot);
-                        failed.get_or_insert(e);
-                    }
-                }
-                continue;
-            }
-            break;
-        }
-        drop(workers);
-        failed.map_or(Ok(read), Err)
-    })
 }
 
 #[cfg(test)]

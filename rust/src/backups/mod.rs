@@ -4,7 +4,8 @@
 //! unlinked spill file), the arenas themselves and the cached one kept for the next sleep (`HostPool`), the bound
 //! on the host memory they hold (bound.rs) and the host budget (budget.rs), backups kept bound to awake
 //! allocations with their chunk fingerprints (retain.rs), the background worker that pins the next sleep's arena
-//! ahead of time (pin_ahead.rs), and the file tier (file_tier.rs over staging.rs and spill_file.rs) all live here.
+//! ahead of time (pin_ahead.rs), and the file tier (file_tier.rs and its wake pipeline file_wake.rs, over
+//! staging.rs and spill_file.rs) all live here.
 //! The engine decides when an allocation sleeps or wakes; it asks this store which backups go to files and for an
 //! arena to copy the others into, hands it the backups a sleep made (`keep`) and takes them back at wake
 //! (`take`). A codec plugs in here too, behind `Backup`, not into the engine.
@@ -16,6 +17,7 @@ mod bound;
 mod budget;
 mod compressed;
 mod file_tier;
+mod file_wake;
 mod pin_ahead;
 mod retain;
 mod spill_file;
@@ -36,6 +38,7 @@ pub use budget::BUDGET_ENV;
 use compressed::Packed;
 pub use compressed::{PackJob, PackedSleep};
 pub use file_tier::{BackupTier, FileJob, FileRewrite, FileRewrites, FileSleep};
+pub use file_wake::{FileRestore, FileRestored, FileWakeTimes};
 use pin_ahead::HostRoom;
 pub use pin_ahead::PinAheadStatus;
 pub use retain::SleepPrints;

@@ -27,6 +27,14 @@ pub struct Report {
     pub read_bytes: usize,
     /// Seconds of the file tier's pipeline (its rate: written or read bytes over these).
     pub file_seconds: f64,
+    /// Wake: of `file_seconds`, those the pipeline waited for file reads (the disk's share), and those it spent
+    /// queueing the staging ring's copies to the device and waiting for them before a slot could take the next
+    /// read.
+    pub file_read_wait_seconds: f64,
+    pub file_copy_seconds: f64,
+    /// Wake: seconds spent giving back what the restored backups held once the wake succeeded (host arenas; a
+    /// spill file whose last backup went is closed, and the file system frees its disk blocks then).
+    pub release_seconds: f64,
     /// Compressed backups this call made (sleep) or restored (wake): their raw bytes, and the host bytes their
     /// blobs take (`stored_bytes / raw_bytes` is the ratio). Raw backups count in neither.
     pub raw_bytes: usize,

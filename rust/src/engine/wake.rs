@@ -61,11 +61,13 @@ impl Engine {
             .map(|a| (*a, inner.backups.take(*a).expect("backed up")))
             .collect();
         self.commit_mapped(inner, mapped);
+        let release = Instant::now();
         inner.backups.bind_restored(restored);
         let t = phases.add("commit", t);
         inner.backups.collect_unused(&mut inner.log);
         phases.add("collect unused", t);
         phases.log();
+        report.release_seconds = release.elapsed().as_secs_f64();
         Self::note_peak(inner);
         report.seconds = start.elapsed().as_secs_f64();
         log::debug!(
@@ -135,11 +137,13 @@ impl Engine {
                 .map(|a| (inner.reg.get(*a).expect("selected").device, *a))
                 .collect();
             let file_start = Instant::now();
-            let read = inner
+            let restored = inner
                 .backups
                 .restore_files(&*self.driver, &placed, &mut inner.log)?;
             report.file_seconds += file_start.elapsed().as_secs_f64();
-            read
+            report.file_read_wait_seconds += restored.times.read_wait_seconds;
+            report.file_copy_seconds += restored.times.copy_seconds;
+            restored.bytes
         };
         if read > 0 {
             report.read_bytes += read;
