@@ -103,6 +103,19 @@ def alloc(backend: str) -> Iterator[Allocator]:
         yield a
 
 
+@pytest.fixture(autouse=True)
+def _process_wide_host_setting_restored() -> Iterator[None]:
+    """The CUDA allocator is one per process: a test that changes its host-memory setting (torch_memory_saver's
+    `retain_cpu_backup` is `set_keep_host_memory`, False by default there) must not change the next test's."""
+    if not HAS_CUDA:
+        yield
+        return
+    a = Allocator.cuda()
+    keep = a.keep_host_memory()
+    yield
+    a.set_keep_host_memory(keep)
+
+
 @pytest.fixture
 def raw_backups(monkeypatch) -> None:
     """Allocators made in the test back up raw (CUMEM_RS_COMPRESS=0: no codec), for tests that count the raw

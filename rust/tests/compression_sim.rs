@@ -253,6 +253,49 @@ fn a_wake_maps_compressed_allocations_while_the_ones_before_are_restored_and_a_f
 }
 
 #[test]
+fn a_compressed_sleep_into_a_buffer_pinned_ahead_in_cells_keeps_every_blob_inside_one_registration()
+{
+    // Cells of 4 MiB: the 16 MiB or so of blobs cross cell boundaries unless the store places them by piece (the
+    // emulator refuses a blob copy that spans two registrations, as CUDA does).
+    for stop_early in [false, true] {
+        let (sim, e) = engine(1, 64 << 20);
+        e.set_pin_chunk(4 << 20).unwrap();
+        let data = bf16_like(24 << 20, 30);
+        let a = weights(&e, &data);
+        let want = e.backup_bytes_of(&["weights"]).unwrap();
+        assert!(want < data.len(), "the estimate counts compression: {want}");
+        e.reserve_host(want, true).unwrap();
+        if !stop_early {
+            let start = std::time::Instant::now();
+            while e.pin_ahead_status().unwrap().running {
+                assert!(
+                    start.elapsed().as_secs() < 20,
+                    "pinning ahead did not finish"
+                );
+                std::thread::sleep(std::time::Duration::from_millis(2));
+            }
+        }
+        e.sleep(&["weights"]).unwrap();
+        assert_eq!(e.errors(), Vec::<String>::new(), "stop_early={stop_early}");
+        let s = e.stats();
+        assert_eq!(
+            s.compressed_raw_bytes,
+            data.len(),
+            "compressed, not copied raw"
+        );
+        e.wake(None::<&[&str]>).unwrap();
+        assert!(e.read(a, data.len()).unwrap() == data);
+        // The next sleep reuses what the wake left, and its blobs come back through the joined copies.
+        e.sleep(&["weights"]).unwrap();
+        e.wake(None::<&[&str]>).unwrap();
+        assert!(e.read(a, data.len()).unwrap() == data);
+        assert_eq!(e.errors(), Vec::<String>::new());
+        e.close().unwrap();
+        assert_no_leaks(&sim);
+    }
+}
+
+#[test]
 fn compress_off_by_policy_or_by_configuration_keeps_backups_raw() {
     let (sim, e) = engine(1, 64 << 20);
     e.set_tag_policy(

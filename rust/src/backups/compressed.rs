@@ -123,6 +123,9 @@ impl Packed {
     }
 }
 
+/// Where a blob ends: (its arena's address, the pinned piece (start, end) it lies in, the offset of its end).
+type BlobEnd = (usize, Option<(usize, usize)>, usize);
+
 /// An allocation `pack` compresses: (addr, device, size, mode, its retained compressed backup if any).
 type Packing = (DevPtr, i32, usize, DataKind, Option<Arc<Packed>>);
 
@@ -161,8 +164,11 @@ struct Placer<'s> {
 impl Placer<'_> {
     /// A place for a blob of `len` bytes; `rest_raw` raw bytes (this one's included) are still to be placed.
     fn place(&mut self, len: usize, rest_raw: usize) -> Result<(usize, usize)> {
-        let fits = (self.arenas.last()).is_some_and(|a| a.len() - self.used >= len);
-        if !fits {
+        if let Some(at) = self.fit(len) {
+            self.used = at + len;
+            return Ok((self.arenas.len() - 1, at));
+        }
+        {
             let estimate = (rest_raw as f64 * self.ratio * ESTIMATE_SLACK) as usize;
             // The first arena holds the whole estimate, as the raw path's one arena does: the next sleep of the same
             // weights finds it in the host cache (where the wake left it) and pins nothing. Arenas of 256 MiB
@@ -175,7 +181,14 @@ impl Placer<'_> {
             }
             .max(len);
             let buf = match self.store.host.take_cached(size) {
-                Some(b) if b.len() as f64 <= size as f64 * CACHED_SLACK => b,
+                Some(mut b) if b.len() as f64 <= size as f64 * CACHED_SLACK && holds_blobs(&b) => {
+                    // Pinned ahead in part (in cells): the rest is pinned now, each gap as one piece.
+                    if let Err(e) = b.pin_gaps() {
+                        let _ = self.store.host.cache(b);
+                        return Err(e);
+                    }
+                    b
+                }
                 other => {
                     const REFUSED: &str = "compressed backup (this sleep copies it raw instead)";
                     if let Some(b) = other {
@@ -203,10 +216,37 @@ impl Placer<'_> {
             self.arenas.push(buf);
             self.used = 0;
         }
-        let offset = self.used;
-        self.used += len;
-        Ok((self.arenas.len() - 1, offset))
+        let at = self.fit(len).ok_or_else(|| {
+            Error::InvalidState(format!(
+                "a blob of {len} bytes fits no pinned piece of a new host arena"
+            ))
+        })?;
+        self.used = at + len;
+        Ok((self.arenas.len() - 1, at))
     }
+
+    /// Where in the last arena a blob of `len` bytes goes (from `used` on, inside one pinned piece: the codec's
+    /// copies of it must not span two registrations), if it fits.
+    fn fit(&self, len: usize) -> Option<usize> {
+        let a = self.arenas.last()?;
+        let mut at = self.used;
+        while at + len <= a.len() {
+            let (_, end) = a.piece_at(at)?;
+            if at + len <= end {
+                return Some(at);
+            }
+            at = end;
+        }
+        None
+    }
+}
+
+/// Whether the pinned pieces of a cached buffer (cells of the pin chunk, from its start) are large enough for
+/// blobs, which each lie inside one piece: a small pin chunk (`set_pin_chunk`) would leave most of it unused.
+fn holds_blobs(b: &HostBuffer) -> bool {
+    const ROOM: usize = 2 * MAX_RANGE;
+    b.piece_at(0)
+        .is_none_or(|(_, end)| end >= ROOM.min(b.len()))
 }
 
 impl Placer<'_> {
@@ -481,17 +521,25 @@ impl BackupStore {
             let mut chunks = Vec::new();
             // The allocation each item starts, at its first item.
             let mut starts: HashMap<usize, DevPtr> = HashMap::new();
+            // Where the previous item's blob ends: (arena, its pinned piece, offset).
+            let mut last: Option<BlobEnd> = None;
             for &(addr, p) in &allocs {
                 starts.insert(items.len(), addr);
                 let size = reg.get(addr).expect("selected").size;
                 for (i, blob) in p.blobs.iter().enumerate() {
                     let (off, len) = p.chunk_range(i, size);
+                    let arena = Arc::as_ptr(&blob.arena) as usize;
+                    let piece = blob.arena.piece_at(blob.offset);
+                    let joins_previous =
+                        piece.is_some() && last == Some((arena, piece, blob.offset));
+                    last = Some((arena, piece, blob.offset + blob.stored.len));
                     items.push(RestoreItem {
                         src: blob.arena.at(blob.offset),
                         stored: blob.stored,
                         dst: addr + off as u64,
                         raw_len: len,
                         kind: p.kind,
+                        joins_previous,
                     });
                     chunks.push((addr + off as u64, len));
                 }

@@ -51,6 +51,9 @@ pub struct RestoreItem {
     pub dst: DevPtr,
     pub raw_len: usize,
     pub kind: DataKind,
+    /// The blob starts where the previous item's ends, in the same pinned host piece: the codec may copy both
+    /// in one copy (one that spanned two registrations would be refused).
+    pub joins_previous: bool,
 }
 
 /// Where a codec's blob goes: asked once per range, in order, with the blob's length; returns the host address

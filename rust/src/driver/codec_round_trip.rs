@@ -61,6 +61,7 @@ pub fn round_trip(
                 dst: dst + (addr - src),
                 raw_len,
                 kind,
+                joins_previous: false,
             })
             .collect();
         codec.decompress_from_host(device, &items, &mut |_| Ok(()))?;

@@ -35,16 +35,37 @@ use super::{DevPtr, HostPtr};
 use crate::error::{cuda_code, Error, Result};
 use blob::{round_up, ALIGN};
 
-/// Raw bytes per nvCOMP chunk. The H200 probe: 64 KiB gave ratio 0.685 on bf16, 256 KiB 0.666 and the faster
-/// kernels both ways (compress 1.27 TB/s, decompress 2.0 TB/s), and a quarter of the per-chunk copies.
-pub(super) const CHUNK: usize = 256 << 10;
+/// Raw bytes per nvCOMP chunk unless `CUMEM_RS_NVCOMP_CHUNK_KIB` says otherwise. The H200 probe: 64 KiB gave
+/// ratio 0.685 on bf16, 256 KiB 0.666 and the faster kernels both ways (compress 1.27 TB/s, decompress 2.0 TB/s),
+/// and a quarter of the per-chunk copies.
+const DEFAULT_CHUNK_KIB: usize = 256;
+
+/// Raw bytes per nvCOMP chunk, for the process (read once): a power of two from 64 KiB to 2 MiB.
+pub(super) fn chunk() -> usize {
+    static CHUNK: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *CHUNK.get_or_init(|| {
+        let kib = std::env::var("CUMEM_RS_NVCOMP_CHUNK_KIB").ok();
+        match kib.as_deref().map(|v| v.trim().parse::<usize>()) {
+            None => DEFAULT_CHUNK_KIB << 10,
+            Some(Ok(k)) if k.is_power_of_two() && (64..=2048).contains(&k) => k << 10,
+            Some(_) => {
+                log::warn!(
+                    "CUMEM_RS_NVCOMP_CHUNK_KIB is not a power of two from 64 to 2048; using {DEFAULT_CHUNK_KIB}"
+                );
+                DEFAULT_CHUNK_KIB << 10
+            }
+        }
+    })
+}
 /// Slots of the ring: one being filled, one being copied, one spare so the copy stream never waits for the CPU.
 const SLOTS: usize = 3;
 /// Device bytes of the ring unless `CUMEM_RS_NVCOMP_RING_MIB` says otherwise: about 32 MiB of raw bytes per
 /// batch, so a copy (0.6 ms at 55 GB/s) is long against the few tens of microseconds a batch costs the CPU.
 const DEFAULT_RING_MIB: usize = 96;
 /// A slot holds at least one whole 2 MiB range.
-const MIN_SLOT_CHUNKS: usize = (2 << 20) / CHUNK;
+fn min_slot_chunks() -> usize {
+    (2 << 20) / chunk()
+}
 /// Alignment of every device area; blobs are copied to such offsets, so their 16-byte offsets stay aligned.
 const DEVICE_ALIGN: usize = 256;
 /// Per chunk of a slot, room beyond its compressed bytes for the blob header and the alignment of the blob
@@ -166,13 +187,13 @@ impl CodecRing {
                     format!("nvCOMP asks for alignments {a:?}, more than the codec provides"),
                 ));
             }
-            max_out = max_out.max(nv.max_output_chunk_size(CHUNK, ty)?);
+            max_out = max_out.max(nv.max_output_chunk_size(chunk(), ty)?);
         }
         let stride = round_up(max_out, DEVICE_ALIGN);
-        let chunks = (ring_bytes() / SLOTS / (stride + SLACK_PER_CHUNK)).max(MIN_SLOT_CHUNKS);
+        let chunks = (ring_bytes() / SLOTS / (stride + SLACK_PER_CHUNK)).max(min_slot_chunks());
         let mut temp_bytes = 0;
         for ty in types {
-            temp_bytes = temp_bytes.max(nv.temp_size(chunks, CHUNK, ty)?);
+            temp_bytes = temp_bytes.max(nv.temp_size(chunks, chunk(), ty)?);
         }
         let area_bytes = chunks * (stride + SLACK_PER_CHUNK);
         let table_bytes = round_up(table_len(chunks), DEVICE_ALIGN);
@@ -268,22 +289,22 @@ impl CodecRing {
     fn self_check(&self) -> Result<()> {
         // A full chunk and a short one: nvCOMP may pick kernels by chunk size, and every kernel a sleep or wake
         // will launch should be loaded (its memory taken) now, at set-up.
-        const N: usize = CHUNK + (64 << 10);
+        let n = chunk() + (64 << 10);
         let base = self.work.lock().slots[SLOTS - 1].area;
-        let (src, dst) = (base, base + N as u64);
-        let pattern = weight_like_pattern(N);
-        // SAFETY: [src, src+N) is inside our allocation; `pattern` holds N bytes; synchronous copy.
+        let (src, dst) = (base, base + n as u64);
+        let pattern = weight_like_pattern(n);
+        // SAFETY: [src, src+n) is inside our allocation; `pattern` holds n bytes; synchronous copy.
         unsafe {
             check(
                 "cuMemcpyHtoD",
-                sys::cuMemcpyHtoD_v2(src, pattern.as_ptr() as *const c_void, N),
+                sys::cuMemcpyHtoD_v2(src, pattern.as_ptr() as *const c_void, n),
             )?
         };
         // Pinned, as the store's memory is, so that the copies take the path of a real sleep.
-        let host = PinnedScratch::new(N)?;
+        let host = PinnedScratch::new(n)?;
         let host_ptr = HostPtr(host.0 as usize);
         for kind in [DataKind::Bytes, DataKind::Bits8, DataKind::Bits16] {
-            let stored = self.compress(self.stream, &[(src, N)], kind, &mut |_, _| Ok(host_ptr))?;
+            let stored = self.compress(self.stream, &[(src, n)], kind, &mut |_, _| Ok(host_ptr))?;
             if stored[0].raw {
                 return Err(codec_error(
                     OP_COMPRESS,
@@ -294,16 +315,17 @@ impl CodecRing {
                 src: host_ptr,
                 stored: stored[0],
                 dst,
-                raw_len: N,
+                raw_len: n,
                 kind,
+                joins_previous: false,
             };
             self.decompress(self.stream, &[item], &mut |_| Ok(()))?;
-            let mut back = vec![0u8; N];
-            // SAFETY: `back` holds N bytes; synchronous copy from our allocation.
+            let mut back = vec![0u8; n];
+            // SAFETY: `back` holds n bytes; synchronous copy from our allocation.
             unsafe {
                 check(
                     "cuMemcpyDtoH",
-                    sys::cuMemcpyDtoH_v2(back.as_mut_ptr() as *mut c_void, dst, N),
+                    sys::cuMemcpyDtoH_v2(back.as_mut_ptr() as *mut c_void, dst, n),
                 )?
             };
             if back != pattern {
@@ -319,7 +341,7 @@ impl CodecRing {
     /// Chunks of `range` when compressed, or 0 when it is stored raw without trying: empty, not aligned for
     /// nvCOMP, not whole elements of the data type, or larger than a slot (the trait's ranges never are).
     fn chunks_of(&self, (addr, len): (DevPtr, usize), width: usize) -> usize {
-        let n = len.div_ceil(CHUNK);
+        let n = len.div_ceil(chunk());
         let fits = len > 0 && len <= u32::MAX as usize && n <= self.chunks;
         if fits && (addr as usize).is_multiple_of(ALIGN) && len.is_multiple_of(width) {
             n
@@ -525,7 +547,7 @@ pub(super) fn describe(nv: &NvComp) -> String {
     let (a, b, c) = nv.version;
     format!(
         "nvCOMP {a}.{b}.{c} ANS ({} KiB chunks) from {}",
-        CHUNK >> 10,
+        chunk() >> 10,
         nv.origin
     )
 }

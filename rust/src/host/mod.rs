@@ -67,6 +67,16 @@ impl HostBuffer {
         }
     }
 
+    /// The registered piece (start, end) that holds byte `offset`; None when `offset` is not pinned. A buffer the
+    /// driver allocated is one piece. An async copy must stay inside one piece (CUDA refuses one whose host side
+    /// spans two registrations), which is what placing blobs by pieces is for. O(log pieces).
+    pub fn piece_at(&self, offset: usize) -> Option<(usize, usize)> {
+        match &self.origin {
+            Origin::Mapped { pinned } => pinned.containing(offset).map(|(s, l)| (s, s + l)),
+            Origin::DriverAlloc => (offset < self.len).then_some((0, self.len)),
+        }
+    }
+
     /// Bytes of [0, len) not in a pinned piece: what pinning the buffer up to `len` still takes.
     pub fn unpinned_below(&self, len: usize) -> usize {
         match &self.origin {

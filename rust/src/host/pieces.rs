@@ -63,6 +63,23 @@ impl PinnedPieces {
         true
     }
 
+    /// The ranges of [0, len) in no piece, in order.
+    pub(super) fn gaps(&self, len: usize) -> Vec<(usize, usize)> {
+        let mut gaps = Vec::new();
+        let mut at = 0;
+        for (&start, &l) in self.by_offset.range(..len) {
+            self.visit(());
+            if start > at {
+                gaps.push((at, start - at));
+            }
+            at = at.max(start + l);
+        }
+        if at < len {
+            gaps.push((at, len - at));
+        }
+        gaps
+    }
+
     /// The piece at the highest offset (the next to unregister: any order works, this one is cheap to remove).
     pub(super) fn last(&self) -> Option<(usize, usize)> {
         self.by_offset.last_key_value().map(|(&o, &l)| (o, l))
@@ -178,6 +195,15 @@ mod tests {
             assert_eq!(p.bytes_below(end), want, "below {end}");
         }
         assert_eq!(p.bytes_below(usize::MAX), 40);
+    }
+
+    #[test]
+    fn gaps_are_the_ranges_in_no_piece() {
+        let p = pieces(10, [1, 2, 5]); // [10,20) [20,30) [50,60)
+        assert_eq!(p.gaps(100), [(0, 10), (30, 20), (60, 40)]);
+        assert_eq!(p.gaps(55), [(0, 10), (30, 20)]);
+        assert_eq!(pieces(10, [0]).gaps(10), []);
+        assert_eq!(PinnedPieces::default().gaps(7), [(0, 7)]);
     }
 
     #[test]

@@ -55,6 +55,18 @@ impl HostBuffer {
         Ok(())
     }
 
+    /// Pin every byte not pinned yet, each gap between pieces as one registration (a buffer pinned ahead in part,
+    /// taken by a sleep that copies into it without pinning cell by cell).
+    pub fn pin_gaps(&mut self) -> Result<()> {
+        let Origin::Mapped { pinned } = &self.origin else {
+            return Ok(());
+        };
+        for (offset, len) in pinned.gaps(self.len) {
+            self.pin(offset, len)?;
+        }
+        Ok(())
+    }
+
     /// Pin the cells (offset, len) on worker thread(s) (MAX_PIN_WORKERS; each touches a cell's pages from all
     /// cores, then registers it), calling `on_ready(buffer, cell index, result)` on this thread as each cell
     /// finishes, in completion order. A cold sleep queues a cell's copies in `on_ready`, so copies of ready cells

@@ -8,7 +8,7 @@ use cudarc::driver::sys;
 use super::blob::Header;
 use super::copies::D2hCopies;
 use super::{
-    chunk_failure, codec_error, data_type, event_sync, record, CodecRing, Slot, Work, CHUNK,
+    chunk, chunk_failure, codec_error, data_type, event_sync, record, CodecRing, Slot, Work,
     IN_BYTES, IN_PTRS, OP_COMPRESS, OUT_BYTES, OUT_PTRS, SLOTS, STATUS_FIELD,
 };
 use crate::driver::codec::{DataKind, PlaceFn, Stored, RAW_RATIO};
@@ -76,7 +76,7 @@ impl CodecRing {
                 let header = Header {
                     data_type: ty,
                     raw_len: len,
-                    chunk: CHUNK,
+                    chunk: chunk(),
                     sizes: sizes[c..c + n].to_vec(),
                 };
                 let worth = n > 0 && (header.blob_len() as f64) <= RAW_RATIO * len as f64;
@@ -139,9 +139,9 @@ impl CodecRing {
         let mut c = 0;
         for &(addr, len) in ranges {
             for j in 0..self.chunks_of((addr, len), width) {
-                let off = j * CHUNK;
+                let off = j * chunk();
                 self.put(slot, IN_PTRS, c, addr + off as u64);
-                self.put(slot, IN_BYTES, c, CHUNK.min(len - off) as u64);
+                self.put(slot, IN_BYTES, c, chunk().min(len - off) as u64);
                 self.put(slot, OUT_PTRS, c, slot.area + (c * self.stride) as u64);
                 c += 1;
             }
@@ -163,7 +163,7 @@ impl CodecRing {
                 ty,
                 field(IN_PTRS),
                 field(IN_BYTES),
-                CHUNK,
+                chunk(),
                 chunks,
                 self.temp,
                 self.temp_bytes,

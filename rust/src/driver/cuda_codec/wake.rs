@@ -8,7 +8,7 @@ use cudarc::driver::sys;
 
 use super::blob::{round_up, Header, ALIGN};
 use super::{
-    chunk_failure, codec_error, event_sync, h2d, record, CodecRing, Slot, Work, ACTUAL, CHUNK,
+    chunk, chunk_failure, codec_error, event_sync, h2d, record, CodecRing, Slot, Work, ACTUAL,
     DEVICE_ALIGN, IN_BYTES, IN_PTRS, OP_DECOMPRESS, OUT_BYTES, OUT_PTRS, SLOTS, STATUS_FIELD,
 };
 use crate::driver::codec::{ReadyFn, RestoreItem};
@@ -72,7 +72,7 @@ impl CodecRing {
         }
         // SAFETY: the store keeps the blob's `stored.len` bytes at `src` alive and unchanged during the wake.
         let blob = unsafe { std::slice::from_raw_parts(item.src.0 as *const u8, item.stored.len) };
-        let header = Header::parse(blob, item.raw_len, CHUNK, self.stride)?;
+        let header = Header::parse(blob, item.raw_len, chunk(), self.stride)?;
         // The blob names its data type; decompression uses it, whatever kind the caller passes now.
         if header.sizes.len() > self.chunks {
             return Err(format!(
@@ -127,9 +127,9 @@ impl CodecRing {
             self.check_slot(slot)?;
             let t = phases.add("check", t);
             let (mut used, mut c) = (0usize, 0usize);
-            // Blobs lying back to back in host memory (as the store places them) go over in one copy: the
-            // device keeps their host offsets from one another, so each chunk stays 16-byte aligned. H200: one
-            // copy per 1.4 MiB blob moved 46 GB/s where the link moves 52.
+            // Blobs lying back to back in one pinned piece (`joins_previous`, as the store places them) go over in
+            // one copy: the device keeps their host offsets from one another, so each chunk stays 16-byte aligned.
+            // H200: one copy per 1.4 MiB blob moved 46 GB/s where the link moves 52.
             let mut run = Run::default();
             while i < items.len() {
                 let item = &items[i];
@@ -139,7 +139,8 @@ impl CodecRing {
                         raw_copy(item, copy)?;
                     }
                     Some(h) => {
-                        let at = match run.follows(item.src.0) {
+                        let joins = item.joins_previous && run.follows(item.src.0);
+                        let at = match joins {
                             true => used,
                             false => round_up(used, DEVICE_ALIGN),
                         };
@@ -150,7 +151,7 @@ impl CodecRing {
                         }
                         tell(i, phases)?;
                         let to = slot.area + at as u64;
-                        if !run.follows(item.src.0) {
+                        if !joins {
                             n_copies += run.flush(copy)?;
                             run = Run {
                                 src: item.src.0,
@@ -163,7 +164,7 @@ impl CodecRing {
                         for (j, off) in h.offsets().into_iter().enumerate() {
                             self.put(slot, IN_PTRS, c, to + off as u64);
                             self.put(slot, IN_BYTES, c, h.sizes[j] as u64);
-                            self.put(slot, OUT_PTRS, c, item.dst + (j * CHUNK) as u64);
+                            self.put(slot, OUT_PTRS, c, item.dst + (j * chunk()) as u64);
                             self.put(slot, OUT_BYTES, c, h.chunk_raw_len(j) as u64);
                             slot.pending.push(h.chunk_raw_len(j));
                             c += 1;
