@@ -251,3 +251,46 @@ def test_interpreter_exit_removes_the_named_files_a_killed_process_leaves_them(t
         assert left == []
     else:
         assert len(left) == 1 and left[0].startswith("cumem_rs-") and left[0].endswith(".bak"), left
+
+
+_FD_LIMIT_CHILD = textwrap.dedent(
+    """
+    import os, resource, sys
+    import cumem_rs
+    from cumem_rs import Allocator
+
+    a = Allocator.simulated(devices=1, capacity=16 << 20, granularity=64 << 10)
+    a.set_spill_dir(sys.argv[1], named=True)
+    a.set_tag_policy("weights", backup_tier="file")
+    a.push_tag("weights")
+    tensors = []
+    for i in range(40):
+        addr = a.malloc(64 << 10)
+        a.write(addr, bytes([i]) * (64 << 10))
+        tensors.append(addr)
+    a.pop_tag()
+    # Room for a few more open files than now: far fewer than the 40 backups' files.
+    open_now = len(os.listdir("/proc/self/fd"))
+    resource.setrlimit(resource.RLIMIT_NOFILE, (open_now + 8, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+    try:
+        a.sleep("weights")
+        print("slept")
+    except cumem_rs.CumemError as e:
+        print("refused:", e)
+    assert not any(r["asleep"] for r in a.allocations()), "refused before anything was released"
+    assert os.listdir(sys.argv[1]) == [], os.listdir(sys.argv[1])
+    for i, addr in enumerate(tensors):
+        assert a.read(addr, 64 << 10) == bytes([i]) * (64 << 10)
+    print("intact")
+    """
+)
+
+
+def test_past_the_open_file_limit_a_named_sleep_is_refused_before_anything_is_released(tmp_path):
+    out = subprocess.run(
+        [sys.executable, "-c", _FD_LIMIT_CHILD, str(tmp_path)], capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0].startswith("refused:") and "ulimit" in lines[0], lines
+    assert lines[-1] == "intact"
