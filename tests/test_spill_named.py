@@ -294,3 +294,59 @@ def test_past_the_open_file_limit_a_named_sleep_is_refused_before_anything_is_re
     lines = out.stdout.splitlines()
     assert lines[0].startswith("refused:") and "ulimit" in lines[0], lines
     assert lines[-1] == "intact"
+
+
+# --- the file tier's state machines in named mode --------------------------------------------------------------
+
+
+def _named_machine(faulty: bool) -> type:
+    from hypothesis.stateful import invariant
+
+    from test_file_tier import Spilling, _faulty_spilling_machine, _spilling_machine
+
+    base = _faulty_spilling_machine() if faulty else _spilling_machine("sim")
+
+    class NamedSpilling(base):  # type: ignore[misc, valid-type]
+        """The file tier's machine (a small host budget, most backups in files) with named files: every name in
+        the directory is a file this process holds open for a backup, and every backup file has its name."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.a.set_spill_dir(self.spill, named=True)
+
+        @invariant()
+        def spill_files_are_never_visible(self):
+            """Replaces the base invariant: here they are, exactly those of live backups."""
+            held = set()
+            for fd in os.listdir("/proc/self/fd"):
+                try:
+                    target = os.readlink(f"/proc/self/fd/{fd}")
+                except OSError:
+                    continue
+                if os.path.dirname(target) == self.spill:
+                    held.add(os.path.basename(target))
+            names = {p.name for p in named_files(Path(self.spill))}
+            assert names == held, (names, held)
+            assert set(os.listdir(self.spill)) == names
+
+    assert issubclass(NamedSpilling, Spilling)
+    return NamedSpilling
+
+
+def test_state_machine_with_named_spill_files():
+    from hypothesis import settings
+    from hypothesis.stateful import run_state_machine_as_test
+
+    from conftest import STATEFUL_SETTINGS
+
+    run_state_machine_as_test(_named_machine(False), settings=settings(STATEFUL_SETTINGS, max_examples=60))
+
+
+@pytest.mark.usefixtures("raw_backups")
+def test_faulty_state_machine_with_named_spill_files():
+    from hypothesis import settings
+    from hypothesis.stateful import run_state_machine_as_test
+
+    from conftest import STATEFUL_SETTINGS
+
+    run_state_machine_as_test(_named_machine(True), settings=settings(STATEFUL_SETTINGS, max_examples=60))
