@@ -246,11 +246,22 @@ class Allocator:
         most the bytes asleep with a backup plus one spare arena no larger than the largest backup one sleep
         made (or `reserve_host` asked for); backups left in arenas with holes by partial wakes are moved
         together when needed to stay within that."""
-    def set_spill_dir(self, path: Optional[Union[str, "os.PathLike[str]"]]) -> None:
+    def set_spill_dir(self, path: Optional[Union[str, "os.PathLike[str]"]], named: bool = False) -> None:
         """The file tier's spill directory (None: no file tier; env CUMEM_RS_SPILL_DIR). Backups past the host
         budget go to files there, created unlinked with mode 0600 (nothing is left behind by a killed process),
         through a pinned staging ring; O_DIRECT where the file system takes it. ValueError naming the path when it
-        is missing, not a directory or not writable."""
+        is missing, not a directory or not writable.
+
+        `named=True` (torch_memory_saver's disk backup, `cumem_rs.memory_saver`): each file-tier backup is a file
+        of its own, visible in the directory as `cumem_rs-<pid>-<serial>.bak` (mode 0600, created exclusively,
+        never through a symlink, its size the allocation's rounded up to 4 KiB), removed as soon as its backup is
+        dropped: at wake (unless retained), free, discard, `trim_host`, close, or by `unlink_named_spill_files`
+        (the memory saver calls it at interpreter exit). A killed process leaves its named files behind. Each
+        named backup holds an open file: thousands of them need a matching `ulimit -n`."""
+    @staticmethod
+    def unlink_named_spill_files() -> int:
+        """Remove the names of this process's named spill files from their directories (for an exit handler);
+        the backups stay readable through their open files. Returns how many names were removed."""
     @property
     def spill_dir(self) -> Optional[pathlib.Path]:
         """The spill directory, or None."""

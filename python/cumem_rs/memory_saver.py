@@ -21,7 +21,8 @@ that API is accepted, and the calls do what they do there, over `CuMemAllocator`
 * `TMS_INIT_ENABLE=1` (preload mode): every allocation of every thread from the import of this module on, outside
   regions and `disable()`, is cumem_rs's under the tag "default", backed up per `TMS_INIT_ENABLE_CPU_BACKUP`;
 * `enable_disk_backup` / `set_disk_backup_dir`: the tag's backups go to the file tier (`backup_tier="file"`,
-  `set_spill_dir`);
+  `set_spill_dir`), with one visible file per paused allocation in a directory named by set_disk_backup_dir or
+  TMS_DISK_BACKUP_DIR, as there (`set_spill_dir(named=True)`);
 * `retain_cpu_backup` (False by default, as there): the allocator's `set_keep_host_memory`; without it a resume
   returns the backup's host memory to the OS;
 * `get_cpu_backup(x, zero_copy=True)`: a tensor over the raw host backup itself, which it keeps alive
@@ -165,7 +166,7 @@ class TorchMemorySaver:
                 alloc = CuMemAllocator.get_instance()
             # What can fail goes first, so that a refused set-up leaves the allocator as it was.
             if env.disk_backup_dir is not None:
-                _apply_disk_dir(alloc, env.disk_backup_dir, "TMS_DISK_BACKUP_DIR")
+                _apply_disk_dir(alloc, env.disk_backup_dir, "TMS_DISK_BACKUP_DIR", named=True)
                 self._disk_dir_applied = True
             if env.disk_backup_chunk_mb is not None:
                 try:
@@ -230,7 +231,8 @@ class TorchMemorySaver:
                 return inner
             inner = tag if not settings else self._free_inner_name(f"{tag}[{_SHORT[backup]}]")
             if backup == _DISK and not self._disk_dir_applied:
-                _apply_disk_dir(alloc, tempfile.gettempdir(), "the disk backup directory (system temp)")
+                # Nobody named this directory, and others share it: unlinked files, which nothing leaves behind.
+                _apply_disk_dir(alloc, tempfile.gettempdir(), "the disk backup directory (system temp)", named=False)
                 self._disk_dir_applied = True
             # Keep a wake_fill (and, but for disk backup, a tier) set ahead through set_tag_policy. Uncompressed, as
             # torch_memory_saver's backups are: get_cpu_backup reads a paused tensor's bytes on the host, and only a
@@ -553,11 +555,15 @@ class TorchMemorySaver:
 
     def set_disk_backup_dir(self, path: str) -> None:
         """The directory for the backups of disk-backup regions (created if needed), process-wide: the allocator's
-        spill directory (`set_spill_dir`). Backup files there are unlinked at creation, so nothing is left behind
-        and the directory looks empty. CumemValueError naming the path when it cannot be used."""
+        spill directory, in named mode (`set_spill_dir(path, named=True)`). As in torch_memory_saver, each paused
+        disk-backed allocation has a file of its own there while it is paused (`cumem_rs-<pid>-<serial>.bak`, mode
+        0600, the allocation's bytes rounded up to 4 KiB), removed at resume (kept while awake only with
+        retain_cpu_backup, which rewrites just its changed chunks at the next pause), when the memory is freed,
+        and at interpreter exit. A process killed while paused leaves its files behind (torch_memory_saver's do
+        too); delete them by hand. CumemValueError naming the path when it cannot be used."""
         if not isinstance(path, (str, os.PathLike)):
             raise CumemTypeError(f"path must be a str or os.PathLike, got {type(path).__name__}")
-        _apply_disk_dir(self._allocator(), os.fspath(path), "path")
+        _apply_disk_dir(self._allocator(), os.fspath(path), "path", named=True)
         self._disk_dir_applied = True
 
     # -- backups --------------------------------------------------------------------------------------------------
@@ -623,13 +629,35 @@ class TorchMemorySaver:
             raise CumemError(f"tensor at {ptr:#x} was paused without CPU backup: {e}") from e
 
 
-def _apply_disk_dir(alloc: "Backend", path: str, name: str) -> None:
-    """Make `path` the allocator's spill directory (created if needed, as there); a ValueError names `name`."""
+def _apply_disk_dir(alloc: "Backend", path: str, name: str, named: bool) -> None:
+    """Make `path` the allocator's spill directory (created if needed, as there), with a named file per backup
+    when `named`; a ValueError names `name`."""
     try:
         os.makedirs(path, exist_ok=True)
-        alloc.set_spill_dir(path)
+        alloc.native.set_spill_dir(path, named=named)
     except (OSError, ValueError) as e:
         raise CumemValueError(f"{name}={path!r} cannot hold disk backups: {e}") from e
+    if named:
+        _unlink_named_files_at_exit()
+
+
+_exit_pid: Optional[int] = None
+
+
+def _unlink_named_files_at_exit() -> None:
+    """Remove the names of the named spill files still there when the interpreter exits (the process-wide
+    allocator is never closed, so its paused backups are not dropped), once per process: a forked child inherits
+    the handler, not the files."""
+    global _exit_pid
+    if _exit_pid == os.getpid():
+        return
+    _exit_pid = os.getpid()
+
+    def unlink() -> None:
+        if _exit_pid == os.getpid():
+            _native.Allocator.unlink_named_spill_files()
+
+    atexit.register(unlink)
 
 
 #: The suffix of the allocator tag for memory of a tag with a second backup setting (`_use_tag`).

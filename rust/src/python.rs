@@ -325,8 +325,9 @@ impl Allocator {
         })
     }
 
-    /// The file tier's spill directory (None: no file tier).
-    fn set_spill_dir(&self, py: Python<'_>, path: &Bound<'_, PyAny>) -> PyResult<()> {
+    /// The file tier's spill directory (None: no file tier); `named`: a visible file per backup there.
+    #[pyo3(signature = (path, named = false))]
+    fn set_spill_dir(&self, py: Python<'_>, path: &Bound<'_, PyAny>, named: bool) -> PyResult<()> {
         guard(|| {
             let path: Option<std::path::PathBuf> = if path.is_none() {
                 None
@@ -338,8 +339,15 @@ impl Allocator {
                     ))
                 })?)
             };
-            Ok(py.detach(|| self.engine.set_spill_dir(path.as_deref()))?)
+            Ok(py.detach(|| self.engine.set_spill_dir_named(path.as_deref(), named))?)
         })
+    }
+
+    /// Remove the names of this process's named spill files from their directories (an exit handler's job);
+    /// their backups stay readable. How many were removed.
+    #[staticmethod]
+    fn unlink_named_spill_files() -> PyResult<usize> {
+        guard(|| Ok(crate::backups::unlink_named_files()))
     }
 
     #[getter]

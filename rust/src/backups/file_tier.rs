@@ -1,5 +1,6 @@
 //! The file tier: backups past the host budget (or of tags whose policy says "file") go to an unlinked file in
-//! the spill directory through the bounded staging ring (staging.rs), never through a full-size pinned copy.
+//! the spill directory through the bounded staging ring (staging.rs), never through a full-size pinned copy. In
+//! named mode (spill_file.rs) each backup goes to a named file of its own instead, through the same pipelines.
 //!
 //! Which tier ("auto", the default): host memory while the budget (and the host RAM guard, pin_ahead.rs) has
 //! room, in the order the sleep walks the allocations (address order), and files for the rest. Host first
@@ -71,7 +72,7 @@ impl BackupTier {
     }
 }
 
-/// One allocation going to a file: `size` bytes at `addr` on `device`, to `offset` of the file.
+/// One allocation going to a file: `size` bytes at `addr` on `device`, to `offset` of its file.
 #[derive(Debug, Clone, Copy)]
 pub struct FileJob {
     pub device: i32,
@@ -82,7 +83,8 @@ pub struct FileJob {
 
 /// A sleep's file-tier work, planned (space checked, file created, ring pinned) before anything is released.
 pub struct FileSleep {
-    file: Arc<SpillFile>,
+    /// The file of each job: one shared by all (unlinked), or one each (named mode).
+    files: Vec<Arc<SpillFile>>,
     ring: Arc<StagingRing>,
     io: Arc<dyn SpillIo>,
     pub jobs: Vec<FileJob>,
@@ -217,8 +219,9 @@ impl FileSleep {
         mut done: impl FnMut(&FileJob, Backup),
     ) -> Result<usize> {
         let pieces: Vec<Piece> = (self.jobs.iter())
-            .map(|j| Piece {
-                file: &self.file,
+            .zip(&self.files)
+            .map(|(j, file)| Piece {
+                file,
                 device: j.device,
                 addr: j.addr,
                 size: j.size,
@@ -229,13 +232,16 @@ impl FileSleep {
         let written = write_pieces(driver, &self.ring, &*self.io, &pieces, refused, |j| {
             handed[j] = true;
             let job = &self.jobs[j];
-            done(job, Backup::in_file(&self.file, job.offset, job.size))
+            done(job, Backup::in_file(&self.files[j], job.offset, job.size))
         });
         // No backup (`FileRegion`) holds the blocks of a job not handed over, and no write is in flight any more:
         // released (punched at the end of the sleep), or they would stay on disk as long as a backup that did go
-        // to sleep keeps the file open.
-        for (job, _) in self.jobs.iter().zip(&handed).filter(|(_, h)| !**h) {
-            self.file.release(job.offset, job.size);
+        // to sleep keeps the file open. (A named file of its own goes, name and all, when this plan drops.)
+        for ((job, file), _) in (self.jobs.iter().zip(&self.files))
+            .zip(&handed)
+            .filter(|(_, h)| !**h)
+        {
+            file.release(job.offset, job.size);
         }
         written
     }
@@ -422,14 +428,22 @@ fn write_pieces(
 impl BackupStore {
     // ----- configuration ---------------------------------------------------------------------------------
 
-    /// Set (or with None remove) the spill directory. Backups already in files stay where they are.
-    pub fn set_spill_dir(&mut self, path: Option<&Path>) -> Result<()> {
-        self.spill = path.map(SpillDir::open).transpose()?.map(Arc::new);
+    /// Set (or with None remove) the spill directory, in named mode or not (spill_file.rs). Backups already in
+    /// files stay where they are.
+    pub fn set_spill_dir(&mut self, path: Option<&Path>, named: bool) -> Result<()> {
+        self.spill = (path.map(|p| SpillDir::open(p, named)))
+            .transpose()?
+            .map(Arc::new);
         Ok(())
     }
 
     pub fn spill_dir(&self) -> Option<PathBuf> {
         self.spill.as_ref().map(|d| d.path().to_path_buf())
+    }
+
+    /// Whether the spill directory is in named mode (false without one).
+    pub fn spill_named(&self) -> bool {
+        self.spill.as_ref().is_some_and(|d| d.named())
     }
 
     /// The staging ring's size (at least one I/O block); the ring is pinned anew at its next use.
@@ -543,6 +557,7 @@ impl BackupStore {
                     .into(),
             ));
         };
+        // Unlinked: the jobs back to back in one file. Named: each at the start of a file of its own.
         let mut offset = 0u64;
         let jobs: Vec<FileJob> = (to_file.iter())
             .map(|&(addr, device, size)| {
@@ -550,21 +565,34 @@ impl BackupStore {
                     device,
                     addr,
                     size,
-                    offset,
+                    offset: if dir.named() { 0 } else { offset },
                 };
                 offset += io_len(size) as u64;
                 j
             })
             .collect();
         dir.check_space(offset)?;
-        let file = Arc::new(dir.create()?);
-        file.reserve(offset)?;
-        self.files.push(Arc::downgrade(&file));
+        let files = if dir.named() {
+            // Made (and their blocks allocated) before anything is released; a refusal drops those made, names
+            // and all.
+            let mut files = Vec::with_capacity(jobs.len());
+            for j in &jobs {
+                let file = Arc::new(dir.create()?);
+                file.reserve(io_len(j.size) as u64)?;
+                files.push(file);
+            }
+            files
+        } else {
+            let file = Arc::new(dir.create()?);
+            file.reserve(offset)?;
+            self.files.push(Arc::downgrade(&file));
+            vec![file; jobs.len()]
+        };
         let ring = self.ring(log)?;
         Ok((
             host,
             Some(FileSleep {
-                file,
+                files,
                 ring,
                 io: self.io.clone(),
                 jobs,

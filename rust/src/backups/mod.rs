@@ -21,6 +21,7 @@ mod file_wake;
 mod pin_ahead;
 mod retain;
 mod spill_file;
+mod spill_names;
 mod view;
 
 use std::collections::HashMap;
@@ -44,6 +45,7 @@ pub use pin_ahead::PinAheadStatus;
 pub use retain::SleepPrints;
 pub use spill_file::{FaultKind, SPILL_DIR_ENV};
 use spill_file::{Faults, PosixIo, SpillDir, SpillFile};
+pub use spill_names::unlink_named_files;
 pub use view::HostView;
 
 /// Host arena cell pinned at a time during a cold sleep: large enough that per-call overheads vanish, small
@@ -295,7 +297,7 @@ impl BackupStore {
         let spill = config
             .spill_dir
             .as_deref()
-            .and_then(|p| match SpillDir::open(p) {
+            .and_then(|p| match SpillDir::open(p, false) {
                 Ok(d) => Some(Arc::new(d)),
                 Err(e) => {
                     log::warn!("{SPILL_DIR_ENV}: {e}; no file tier");

@@ -6,6 +6,13 @@
 //! dropped (woken, freed, closed). `O_DIRECT` is tried first (no page-cache copy of what is already in pinned
 //! memory); where the file system refuses it, buffered I/O is used and one INFO line says so.
 //!
+//! Named mode (`SpillDir::open(path, true)`, torch_memory_saver's disk backup: the directory is the user's and
+//! they look into it): every file-tier backup gets a file of its own, visible in the directory as
+//! `cumem_rs-<pid>-<serial>.bak`, created exclusively (`O_EXCL`, never through a symlink), mode 0600. Its name
+//! is removed when its backup is dropped (the `SpillFile` drops: woken without retention, freed, discarded,
+//! trimmed, closed), or at interpreter exit by `unlink_named_files` (spill_names.rs). A killed process leaves its named files
+//! behind (so does torch_memory_saver); the unnamed default leaves nothing.
+//!
 //! The file I/O goes through `SpillIo`, so that tests can make a write short, run out of space or fail with EIO
 //! at any position of the pipelines (`Faults`).
 
@@ -17,6 +24,7 @@ use std::sync::Mutex;
 use rustix::fs::{Mode, OFlags, CWD};
 use rustix::io::Errno;
 
+use super::spill_names;
 use crate::error::{Error, Result};
 
 pub use crate::host::staging::IO_ALIGN;
@@ -30,21 +38,33 @@ pub struct SpillDir {
     /// False once a file there was refused O_DIRECT (then every later file is buffered, said once).
     direct: AtomicBool,
     files: AtomicU64,
+    /// Named mode (see the module comment): a visible file per backup instead of an unlinked one per sleep.
+    named: bool,
 }
 
-/// One unlinked spill file: a sleep's file-tier backups back to back.
+/// One spill file: unlinked, a sleep's file-tier backups back to back; or named, one backup.
 pub struct SpillFile {
     fd: OwnedFd,
     dir: PathBuf,
     /// Byte ranges no backup holds any more, whose blocks `punch_released` gives back.
     released: Mutex<Vec<(u64, u64)>>,
+    /// The serial of a named file (spill_names.rs), whose name is removed from the directory when it drops.
+    name: Option<u64>,
+}
+
+impl Drop for SpillFile {
+    fn drop(&mut self) {
+        if let Some(serial) = self.name {
+            spill_names::remove(serial);
+        }
+    }
 }
 
 impl SpillDir {
     /// `path` if it is an existing directory this process can create files in; else InvalidArgument naming it.
     /// A relative path is made absolute now (against the current directory), so a later `chdir` of the process
-    /// does not move the spill files to a directory that was never checked.
-    pub fn open(path: &Path) -> Result<SpillDir> {
+    /// does not move the spill files to a directory that was never checked. `named`: named mode (module comment).
+    pub fn open(path: &Path, named: bool) -> Result<SpillDir> {
         let bad = |why: &str| Error::invalid(format!("spill_dir {}: {why}", path.display()));
         let absolute = std::path::absolute(path)
             .map_err(|e| bad(&format!("cannot be made absolute ({e})")))?;
@@ -57,6 +77,7 @@ impl SpillDir {
             path: absolute,
             direct: AtomicBool::new(true),
             files: AtomicU64::new(0),
+            named,
         };
         // Writable (and what kind of files it takes): make one and drop it.
         dir.create()
@@ -66,6 +87,11 @@ impl SpillDir {
 
     pub fn path(&self) -> &Path {
         &self.path
+    }
+
+    /// Whether each backup gets a named file of its own (module comment).
+    pub fn named(&self) -> bool {
+        self.named
     }
 
     /// Bytes that can still be written there (statvfs: blocks available to unprivileged users).
@@ -94,40 +120,68 @@ impl SpillDir {
         Ok(())
     }
 
-    /// A new unlinked file, mode 0600, with O_DIRECT where the file system takes it.
+    /// A new file, mode 0600, with O_DIRECT where the file system takes it: unlinked, or named in named mode.
     pub fn create(&self) -> Result<SpillFile> {
         let err = |e: Errno| {
+            let hint = if matches!(e, Errno::MFILE | Errno::NFILE) {
+                " (each backup in a named spill file holds an open file: raise the limit, ulimit -n)"
+            } else {
+                ""
+            };
             Error::InvalidState(format!(
-                "creating a spill file in {}: {e}",
+                "creating a spill file in {}: {e}{hint}",
                 self.path.display()
             ))
         };
         let base = OFlags::RDWR | OFlags::CLOEXEC;
         let mode = Mode::RUSR | Mode::WUSR;
+        if self.named {
+            return self.create_named(base, mode).map_err(err);
+        }
         if self.direct.load(Ordering::Relaxed) {
             match self.open_unlinked(base | OFlags::DIRECT, mode) {
-                Ok(fd) => return Ok(self.file(fd)),
-                Err(Errno::INVAL) | Err(Errno::OPNOTSUPP) => {
-                    if self.direct.swap(false, Ordering::Relaxed) {
-                        log::info!(
-                            "cumem_rs: the spill directory {} does not take O_DIRECT; using buffered I/O",
-                            self.path.display()
-                        );
-                    }
-                }
+                Ok(fd) => return Ok(self.file(fd, None)),
+                Err(Errno::INVAL) | Err(Errno::OPNOTSUPP) => self.say_buffered(),
                 Err(e) => return Err(err(e)),
             }
         }
         self.open_unlinked(base, mode)
-            .map(|fd| self.file(fd))
+            .map(|fd| self.file(fd, None))
             .map_err(err)
     }
 
-    fn file(&self, fd: OwnedFd) -> SpillFile {
+    /// O_DIRECT was refused here: every later file is buffered; said once.
+    fn say_buffered(&self) {
+        if self.direct.swap(false, Ordering::Relaxed) {
+            log::info!(
+                "cumem_rs: the spill directory {} does not take O_DIRECT; using buffered I/O",
+                self.path.display()
+            );
+        }
+    }
+
+    /// A named file (module comment). O_DIRECT is set after the open (`fcntl`), not asked of it: a file system
+    /// that refuses O_DIRECT refuses it after creating the file, which would leave the name behind.
+    fn create_named(&self, flags: OFlags, mode: Mode) -> std::result::Result<SpillFile, Errno> {
+        let (fd, serial) = spill_names::create(&self.path, flags, mode)?;
+        let file = self.file(fd, Some(serial)); // from here on, dropping `file` removes the name
+        if self.direct.load(Ordering::Relaxed) {
+            let fl = rustix::fs::fcntl_getfl(&file.fd)?;
+            match rustix::fs::fcntl_setfl(&file.fd, fl | OFlags::DIRECT) {
+                Ok(()) => {}
+                Err(Errno::INVAL) | Err(Errno::OPNOTSUPP) => self.say_buffered(),
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(file)
+    }
+
+    fn file(&self, fd: OwnedFd, name: Option<u64>) -> SpillFile {
         SpillFile {
             fd,
             dir: self.path.clone(),
             released: Mutex::new(Vec::new()),
+            name,
         }
     }
 
@@ -459,7 +513,7 @@ mod tests {
     #[test]
     fn files_are_unlinked_private_and_hold_what_was_written() {
         let p = temp_dir("private");
-        let dir = SpillDir::open(&p).unwrap();
+        let dir = SpillDir::open(&p, false).unwrap();
         let f = dir.create().unwrap();
         assert_eq!(
             std::fs::read_dir(&p).unwrap().count(),
@@ -483,7 +537,7 @@ mod tests {
     #[test]
     fn punched_ranges_give_their_disk_blocks_back() {
         let p = temp_dir("punch");
-        let f = SpillDir::open(&p).unwrap().create().unwrap();
+        let f = SpillDir::open(&p, false).unwrap().create().unwrap();
         // Allocated whole first, as a sleep does: written piece by piece into a fragmented file system, the file
         // could need an extent block once punched (measured on ext4: one more 4 KiB block than the data).
         f.reserve((16 * IO_ALIGN) as u64).unwrap();
@@ -506,7 +560,7 @@ mod tests {
     #[test]
     fn released_ranges_keep_their_blocks_until_punched_as_merged_runs() {
         let p = temp_dir("release");
-        let f = SpillDir::open(&p).unwrap().create().unwrap();
+        let f = SpillDir::open(&p, false).unwrap().create().unwrap();
         f.reserve((8 * IO_ALIGN) as u64).unwrap();
         let page = Box::new(Blocks([9; 2 * IO_ALIGN]));
         for i in 0..4 {
@@ -540,7 +594,7 @@ mod tests {
     #[test]
     fn a_reserved_file_holds_its_blocks_before_any_write() {
         let p = temp_dir("reserve");
-        let f = SpillDir::open(&p).unwrap().create().unwrap();
+        let f = SpillDir::open(&p, false).unwrap().create().unwrap();
         f.reserve(0).unwrap();
         assert_eq!(f.disk_bytes(), 0);
         f.reserve((64 * IO_ALIGN) as u64).unwrap();
@@ -564,16 +618,16 @@ mod tests {
     fn bad_directories_and_too_little_space_are_refused_naming_the_path() {
         let p = temp_dir("bad");
         let missing = p.join("missing");
-        let err = SpillDir::open(&missing).err().unwrap();
+        let err = SpillDir::open(&missing, false).err().unwrap();
         assert!(
             matches!(&err, Error::InvalidArgument(m) if m.contains("missing")),
             "{err}"
         );
         let file = p.join("plain");
         std::fs::write(&file, b"x").unwrap();
-        let err = SpillDir::open(&file).err().unwrap();
+        let err = SpillDir::open(&file, false).err().unwrap();
         assert!(err.to_string().contains("not a directory"), "{err}");
-        let dir = SpillDir::open(&p).unwrap();
+        let dir = SpillDir::open(&p, false).unwrap();
         assert!(dir.free_bytes().unwrap() > 0);
         let err = dir.check_space(u64::MAX).unwrap_err();
         assert!(
@@ -586,7 +640,7 @@ mod tests {
     #[test]
     fn faults_hit_the_nth_call_of_their_operation_once() {
         let p = temp_dir("faults");
-        let f = SpillDir::open(&p).unwrap().create().unwrap();
+        let f = SpillDir::open(&p, false).unwrap().create().unwrap();
         let io = Faults::new(PosixIo);
         let buf = &Box::new(Blocks([1; 2 * IO_ALIGN])).0;
         io.inject(true, 2, FaultKind::Eio).unwrap();

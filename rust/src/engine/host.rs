@@ -44,7 +44,13 @@ impl Engine {
     /// files in, else InvalidArgument naming it (a relative path is made absolute now). Backups already in files
     /// stay there.
     pub fn set_spill_dir(&self, path: Option<&std::path::Path>) -> Result<()> {
-        self.lock_open()?.backups.set_spill_dir(path)
+        self.set_spill_dir_named(path, false)
+    }
+
+    /// `set_spill_dir`; with `named`, each file-tier backup is a named file of its own in the directory, removed
+    /// when the backup is dropped (torch_memory_saver's disk backup; see backups/spill_file.rs).
+    pub fn set_spill_dir_named(&self, path: Option<&std::path::Path>, named: bool) -> Result<()> {
+        self.lock_open()?.backups.set_spill_dir(path, named)
     }
 
     pub fn spill_dir(&self) -> Result<Option<std::path::PathBuf>> {
