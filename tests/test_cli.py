@@ -258,7 +258,7 @@ COMPRESS_ROWS = (
     "wake with no pause after that sleep",
     "sleep, random bytes (torch.randint 0-255), compress='off'",
     "sleep, random bytes (torch.randint 0-255), compress='auto'",
-    "wake after the sleep, random bytes (torch.randint 0-255), compress='auto'",
+    "after the sleep, random bytes (torch.randint 0-255), compress='auto'",  # "wake 1 s after" on a GPU
     "matmul loop on another tag while the weights pause and resume compressed",
     "first sleep, compressed, pin ahead off (cold)",
     "first sleep, compressed, 0.2 s after pinning ahead began",

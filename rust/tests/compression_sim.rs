@@ -7,7 +7,7 @@ mod common;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
-use common::{assert_no_leaks, engine, GRAN};
+use common::{assert_no_leaks, calls, engine, GRAN};
 use cumem_rs::driver::{Driver, Op};
 use cumem_rs::{Compress, Engine, EngineConfig, SimConfig, SimDriver, TagPolicy};
 
@@ -293,6 +293,33 @@ fn a_compressed_sleep_into_a_buffer_pinned_ahead_in_cells_keeps_every_blob_insid
         e.close().unwrap();
         assert_no_leaks(&sim);
     }
+}
+
+#[test]
+fn steady_compressed_cycles_reuse_the_blob_arena_instead_of_pinning_a_new_one() {
+    let (sim, e) = engine(1, 64 << 20);
+    e.set_retain_backups(false).unwrap(); // every sleep compresses and copies everything
+    let data = bf16_like(16 << 20, 40);
+    let a = weights(&e, &data);
+    let registered = || calls(&sim, "host_register");
+    let mut after = Vec::new();
+    for _ in 0..4 {
+        e.sleep(&["weights"]).unwrap();
+        e.wake(None::<&[&str]>).unwrap();
+        assert!(e.read(a, data.len()).unwrap() == data);
+        after.push(registered());
+    }
+    // The first sleep guesses the ratio, the second sizes from the first's: from then on the arena the wake left
+    // in the cache is the one the next sleep takes.
+    assert_eq!(after[2], after[1], "registrations per cycle: {after:?}");
+    assert_eq!(after[3], after[2], "registrations per cycle: {after:?}");
+    assert!(
+        e.host_bytes() > 0,
+        "the arena stays cached for the next sleep"
+    );
+    assert_eq!(e.errors(), Vec::<String>::new());
+    e.close().unwrap();
+    assert_no_leaks(&sim);
 }
 
 #[test]
