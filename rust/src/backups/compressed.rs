@@ -169,7 +169,9 @@ impl Placer<'_> {
             return Ok((self.arenas.len() - 1, at));
         }
         {
-            let estimate = (rest_raw as f64 * self.ratio * ESTIMATE_SLACK) as usize;
+            // Never more than the raw bytes left: no blob is larger than its range (one that would not shrink is
+            // stored raw), and the host bound's spare is no larger than the largest backup a sleep made.
+            let estimate = ((rest_raw as f64 * self.ratio * ESTIMATE_SLACK) as usize).min(rest_raw);
             // The first arena holds the whole estimate, as the raw path's one arena does: the next sleep of the same
             // weights finds it in the host cache (where the wake left it) and pins nothing. Arenas of 256 MiB
             // pinned afresh each sleep and unpinned at each wake cost more than the copies (H200: a compressed
@@ -367,6 +369,8 @@ impl BackupStore {
             taken: 0,
             ratio,
         };
+        // Raw bytes of the ranges given to the codec.
+        let mut raw_compressed = 0;
         // (arena index, offset, stored) of each compressed chunk.
         let mut made: HashMap<(usize, usize), (usize, usize, Stored)> = HashMap::new();
         for ((dev, kind), list) in &todo {
@@ -378,6 +382,7 @@ impl BackupStore {
                 })
                 .collect();
             let mut rest: usize = ranges.iter().map(|r| r.1).sum();
+            raw_compressed += rest;
             let mut places = Vec::with_capacity(ranges.len());
             let stored = codec.compress_to_host(*dev, &ranges, *kind, &mut |i, len| {
                 let (a, off) = placer.place(len, rest)?;
@@ -453,11 +458,12 @@ impl BackupStore {
             out.backups.push((addr, backup, prints[n].clone()));
         }
         // The spare arena the bound lets the store keep for the next sleep (bound.rs): as large as the arenas this
-        // sleep took for its blobs (those of unchanged retained chunks were made before). Not the blobs' bytes:
-        // the arena holds a few percent more (its estimate's slack), and a spare bound below it had every wake
-        // unpin it and the next sleep pin a new one (H200, 15 GiB of bf16: 250 ms at the wake, 480 ms at the sleep).
+        // sleep took for its blobs (those of unchanged retained chunks were made before), at most their raw bytes.
+        // Not the blobs' bytes: the arena holds a few percent more (its estimate's slack), and a spare bound below
+        // it had every wake unpin it and the next sleep pin a new one (H200, 15 GiB of bf16: 250 ms at the wake,
+        // 480 ms at the sleep).
         let taken: usize = arenas.iter().map(|a| a.len()).sum();
-        self.largest = self.largest.max(taken);
+        self.largest = self.largest.max(taken.min(raw_compressed));
         if out.raw_bytes > 0 {
             self.ratio_guess = (out.stored_bytes as f64 / out.raw_bytes as f64).clamp(0.01, 1.0);
         }
