@@ -68,7 +68,7 @@ def test_each_asleep_file_backup_is_a_private_named_file_of_its_size(a, tmp_path
     assert named_files(tmp_path) == [], "removed at wake"
     for addr, data in tensors:
         assert a.read(addr, len(data)) == data
-    assert a.read(other[0], 1) != other[1][:1], "kv had no backup (poisoned)"
+    assert a.read(other[0], len(other[1])) != other[1], "kv had no backup (poisoned)"
 
 
 def test_a_freed_asleep_allocation_takes_its_file_with_it_and_close_takes_the_rest(a, tmp_path):

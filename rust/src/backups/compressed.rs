@@ -201,6 +201,12 @@ impl Placer<'_> {
                             return Err(e);
                         }
                     }
+                    // Under a budget, no more than the room it leaves (a minimum-size arena for a few small blobs
+                    // must not refuse what fits).
+                    let size = match self.store.budget_room() {
+                        Some(room) => size.min(room.saturating_sub(self.taken)).max(len),
+                        None => size,
+                    };
                     self.store.check_budget(self.taken + size, REFUSED)?;
                     self.store.room.check(size, REFUSED)?;
                     let t = std::time::Instant::now();
