@@ -128,6 +128,26 @@ def test_small_compressed_backups_fit_a_tight_budget_and_keep_their_retained_chu
     sim.resume(None)
 
 
+def test_blob_arenas_of_tiny_backups_shrink_to_their_bytes_under_a_tight_budget(sim, tmp_path):
+    """Two pauses of one tiny allocation each under a budget of two granules: each blob arena is moved into one of
+    its bytes, so the retained backups after the wake leave room for the next pause's blobs (found by the spilling
+    state machine: two minimum-size arenas filled the budget and that pause fell back to raw copies)."""
+    g = sim.granularity(0)
+    sim.set_host_budget(2 * g)
+    sim.set_spill_dir(tmp_path)
+    addrs = [sim.malloc(1, 0)]
+    sim.pause(None)
+    addrs.append(sim.malloc(1, 0))
+    sim.pause(None)
+    sim.wake_up(None)
+    assert sim.host_bytes() < g, "blob arenas of a few hundred bytes"
+    sim.write(addrs[0], bytes(range(256)) * (g // 256))
+    report = sim.pause(None)
+    assert report["skipped_bytes"] == g and report["chunks_checked"] == 2, report
+    assert sim.errors() == []
+    sim.resume(None)
+
+
 def test_host_budget_bad_input_names_the_argument(a):
     with pytest.raises((ValueError, TypeError), match="nbytes"):
         a.set_host_budget(-1)

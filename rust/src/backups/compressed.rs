@@ -267,7 +267,10 @@ impl Placer<'_> {
         let (len, used) = (last.len(), self.used);
         // A large first arena keeps its slack: moving gigabytes would cost more than the bytes it frees, and the
         // next sleep's estimate (this sleep's ratio) sizes it closely.
-        if used == 0 || used > MAX_ARENA || len - used <= (len / 8).max(MIN_ARENA) {
+        // A small arena is moved too: a minimum-size arena holding a few small blobs would otherwise keep its
+        // whole size out of a tight budget (two of them filled a budget of two granules, and the next sleep of
+        // those allocations fell back to raw copies).
+        if used == 0 || used > MAX_ARENA || len - used <= len / 8 {
             return self.arenas;
         }
         let Ok((mut exact, fallback)) = HostBuffer::acquire(&self.store.driver, used) else {
