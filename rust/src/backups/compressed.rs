@@ -17,7 +17,7 @@
 //! larger fingerprint chunk turns compression off (backups are raw). The file tier stores raw bytes: a backup
 //! that goes to a spill file is never compressed.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 
 use super::{Backup, BackupStore, Place};
@@ -355,7 +355,9 @@ impl BackupStore {
         let prints_ms = t.elapsed().as_secs_f64() * 1e3;
 
         // The chunks to compress, per device and kind, in order: (allocation index, chunk index).
-        let mut todo: HashMap<(i32, DataKind), Vec<(usize, usize)>> = HashMap::new();
+        // Ordered: the first group takes the sleep's first (largest) arena, so the order must not change from one
+        // run to the next (a HashMap's does, per process).
+        let mut todo: BTreeMap<(i32, DataKind), Vec<(usize, usize)>> = BTreeMap::new();
         let mut out = PackedSleep::default();
         for (n, (_, dev, size, kind, old)) in all.iter().enumerate() {
             for (i, (_, len)) in fingerprint::chunks(*size, chunk).enumerate() {

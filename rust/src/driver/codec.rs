@@ -18,7 +18,7 @@ pub const RAW_RATIO: f64 = 0.95;
 
 /// What the bytes of a range hold, which picks the codec's mode (nvCOMP's ANS: 16-bit for bf16/fp16, 8-bit for
 /// fp8, bytes for anything else). A wrong kind costs ratio, never correctness.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum DataKind {
     /// Any data: entropy coded byte by byte.
     Bytes,
