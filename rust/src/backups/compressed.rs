@@ -164,73 +164,75 @@ struct Placer<'s> {
 impl Placer<'_> {
     /// A place for a blob of `len` bytes; `rest_raw` raw bytes (this one's included) are still to be placed.
     fn place(&mut self, len: usize, rest_raw: usize) -> Result<(usize, usize)> {
-        if let Some(at) = self.fit(len) {
-            self.used = at + len;
-            return Ok((self.arenas.len() - 1, at));
-        }
-        {
-            // Never more than the raw bytes left: no blob is larger than its range (one that would not shrink is
-            // stored raw), and the host bound's spare is no larger than the largest backup a sleep made.
-            let estimate = ((rest_raw as f64 * self.ratio * ESTIMATE_SLACK) as usize).min(rest_raw);
-            // The first arena holds the whole estimate, as the raw path's one arena does: the next sleep of the same
-            // weights finds it in the host cache (where the wake left it) and pins nothing. Arenas of 256 MiB
-            // pinned afresh each sleep and unpinned at each wake cost more than the copies (H200: a compressed
-            // sleep of 15 GiB at 0.38x of the link).
-            let size = if self.arenas.is_empty() {
-                estimate.max(MIN_ARENA)
-            } else {
-                estimate.clamp(MIN_ARENA, MAX_ARENA)
+        let at = match self.fit(len) {
+            Some(at) => at,
+            None => {
+                let buf = self.take_arena(len, rest_raw)?;
+                self.taken += buf.len();
+                self.arenas.push(buf);
+                self.used = 0;
+                self.fit(len).ok_or_else(|| {
+                    Error::InvalidState(format!(
+                        "a blob of {len} bytes fits no pinned piece of a new host arena"
+                    ))
+                })?
             }
-            .max(len);
-            let buf = match self.store.host.take_cached(size) {
-                Some(mut b) if b.len() as f64 <= size as f64 * CACHED_SLACK && holds_blobs(&b) => {
-                    // Pinned ahead in part (in cells): the rest is pinned now, each gap as one piece.
-                    if let Err(e) = b.pin_gaps() {
-                        let _ = self.store.host.cache(b);
-                        return Err(e);
-                    }
-                    b
-                }
-                other => {
-                    const REFUSED: &str = "compressed backup (this sleep copies it raw instead)";
-                    if let Some(b) = other {
-                        // Too large to hold for this: back to the OS before a new one is pinned (the pool's own
-                        // `acquire` does the same with cached buffers too small).
-                        if let Err((b, e)) = b.release() {
-                            let _ = self.store.host.cache(*b);
-                            return Err(e);
-                        }
-                    }
-                    // Under a budget, no more than the room it leaves (a minimum-size arena for a few small blobs
-                    // must not refuse what fits).
-                    let size = match self.store.budget_room() {
-                        Some(room) => size.min(room.saturating_sub(self.taken)).max(len),
-                        None => size,
-                    };
-                    self.store.check_budget(self.taken + size, REFUSED)?;
-                    self.store.room.check(size, REFUSED)?;
-                    let t = std::time::Instant::now();
-                    let (mut buf, fallback) = HostBuffer::acquire(&self.store.driver, size)?;
-                    log::debug!(
-                        "compressed sleep: pinned a blob arena of {size} bytes in {:.1} ms",
-                        t.elapsed().as_secs_f64() * 1e3
-                    );
-                    self.store.host.fallbacks.extend(fallback);
-                    self.store.host.notes.append(&mut buf.notes);
-                    buf
-                }
-            };
-            self.taken += buf.len();
-            self.arenas.push(buf);
-            self.used = 0;
-        }
-        let at = self.fit(len).ok_or_else(|| {
-            Error::InvalidState(format!(
-                "a blob of {len} bytes fits no pinned piece of a new host arena"
-            ))
-        })?;
+        };
         self.used = at + len;
         Ok((self.arenas.len() - 1, at))
+    }
+
+    /// A new arena for the blobs of `rest_raw` raw bytes, the first of which takes `len`: the cached one when it
+    /// is about that size, else a new one within the budget and the host's room.
+    fn take_arena(&mut self, len: usize, rest_raw: usize) -> Result<HostBuffer> {
+        const REFUSED: &str = "compressed backup (this sleep copies it raw instead)";
+        // Never more than the raw bytes left: no blob is larger than its range (one that would not shrink is
+        // stored raw), and the host bound's spare is no larger than the largest backup a sleep made.
+        let estimate = ((rest_raw as f64 * self.ratio * ESTIMATE_SLACK) as usize).min(rest_raw);
+        // The first arena holds the whole estimate, as the raw path's one arena does: the next sleep of the same
+        // weights finds it in the host cache (where the wake left it) and pins nothing. Arenas of 256 MiB pinned
+        // afresh each sleep and unpinned at each wake cost more than the copies (H200: a compressed sleep of
+        // 15 GiB at 0.38x of the link).
+        let size = if self.arenas.is_empty() {
+            estimate.max(MIN_ARENA)
+        } else {
+            estimate.clamp(MIN_ARENA, MAX_ARENA)
+        }
+        .max(len);
+        match self.store.host.take_cached(size) {
+            Some(mut b) if b.len() as f64 <= size as f64 * CACHED_SLACK && holds_blobs(&b) => {
+                // Pinned ahead in part (in cells): the rest is pinned now, each gap as one piece.
+                if let Err(e) = b.pin_gaps() {
+                    let _ = self.store.host.cache(b);
+                    return Err(e);
+                }
+                return Ok(b);
+            }
+            Some(b) => {
+                // Too large to hold for this: back to the OS before a new one is pinned (the pool's own `acquire`
+                // does the same with cached buffers too small).
+                if let Err((b, e)) = b.release() {
+                    let _ = self.store.host.cache(*b);
+                    return Err(e);
+                }
+            }
+            None => {}
+        }
+        // Under a budget, no more than the room it leaves (a minimum-size arena for a few small blobs must not
+        // refuse what fits).
+        let size = match self.store.budget_room() {
+            Some(room) => size.min(room.saturating_sub(self.taken)).max(len),
+            None => size,
+        };
+        self.store.check_budget(self.taken + size, REFUSED)?;
+        self.store.room.check(size, REFUSED)?;
+        let t = std::time::Instant::now();
+        let buf = self.store.host.pin_new(size)?;
+        log::debug!(
+            "compressed sleep: pinned a blob arena of {size} bytes in {:.1} ms",
+            t.elapsed().as_secs_f64() * 1e3
+        );
+        Ok(buf)
     }
 
     /// Where in the last arena a blob of `len` bytes goes (from `used` on, inside one pinned piece: the codec's
@@ -266,18 +268,16 @@ impl Placer<'_> {
         };
         let (len, used) = (last.len(), self.used);
         // A large first arena keeps its slack: moving gigabytes would cost more than the bytes it frees, and the
-        // next sleep's estimate (this sleep's ratio) sizes it closely.
-        // A small arena is moved too: a minimum-size arena holding a few small blobs would otherwise keep its
-        // whole size out of a tight budget (two of them filled a budget of two granules, and the next sleep of
-        // those allocations fell back to raw copies).
+        // next sleep's estimate (this sleep's ratio) sizes it closely. A small one is moved whatever its size: a
+        // minimum-size arena holding a few small blobs would otherwise keep its whole size out of a tight budget
+        // (two of them filled a budget of two granules, and the next sleep of those allocations fell back to raw
+        // copies).
         if used == 0 || used > MAX_ARENA || len - used <= len / 8 {
             return self.arenas;
         }
-        let Ok((mut exact, fallback)) = HostBuffer::acquire(&self.store.driver, used) else {
+        let Ok(mut exact) = self.store.host.pin_new(used) else {
             return self.arenas;
         };
-        self.store.host.fallbacks.extend(fallback);
-        self.store.host.notes.append(&mut exact.notes);
         let old = self.arenas.pop().expect("checked");
         exact.copy_from(0, &old, 0, used); // no device copy touches either: the codec has returned
         let _ = self.store.host.give_back(old);

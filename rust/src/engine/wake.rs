@@ -1,16 +1,14 @@
 //! Wake: map new physical memory at the same addresses and restore the backups; all or nothing.
 
-use std::time::Instant;
-
-use crate::timing::Phases;
-
 use std::collections::HashMap;
+use std::time::Instant;
 
 use super::group::{map_run_in, Mapped};
 use super::{tag_set, Engine, Inner, Report};
 use crate::backups::Backup;
 use crate::driver::DevPtr;
 use crate::error::Result;
+use crate::timing::Phases;
 
 impl Engine {
     /// Map new physical memory at the same addresses for asleep allocations whose tag is in `tags` (None: all),
@@ -128,14 +126,15 @@ impl Engine {
             }
         }
         let t = phases.add("map and queue copies", t);
+        // (device, addr) of each backed-up target, for the file tier and the compressed restore.
+        let placed: Vec<(i32, DevPtr)> = (targets[..backed].iter())
+            .map(|a| (inner.reg.get(*a).expect("selected").device, *a))
+            .collect();
         // Backups in spill files: file -> staging ring -> device while the host copies above run (every copy of
         // the ring waited for inside; a read error fails the wake like a failed copy).
         let read = if inner.backups.file_bytes() == 0 {
             0 // no file tier in use: nothing to look for
         } else {
-            let placed: Vec<(i32, DevPtr)> = (targets[..backed].iter())
-                .map(|a| (inner.reg.get(*a).expect("selected").device, *a))
-                .collect();
             let file_start = Instant::now();
             let restored = inner
                 .backups
@@ -149,12 +148,9 @@ impl Engine {
             report.read_bytes += read;
             report.copied_bytes += read;
         }
-        // Compressed backups: decompressed into their (mapped) allocations and verified against the sleep's
-        // fingerprints; a codec error or a mismatch fails the wake like a failed copy.
-        let placed: Vec<(i32, DevPtr)> = (targets[..backed].iter())
-            .map(|a| (inner.reg.get(*a).expect("selected").device, *a))
-            .collect();
         let t = phases.add("files", t);
+        // Compressed backups: decompressed into their allocations (the deferred runs mapped just before) and
+        // verified against the sleep's fingerprints; a codec error or a mismatch fails the wake like a failed copy.
         let run_of: HashMap<DevPtr, usize> = (deferred.iter().enumerate())
             .flat_map(|(r, run)| run.iter().map(move |a| (*a, r)))
             .collect();

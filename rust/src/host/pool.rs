@@ -40,6 +40,12 @@ impl HostPool {
             return Ok(buf);
         }
         self.trim()?;
+        self.pin_new(len)
+    }
+
+    /// A new buffer of exactly `len` bytes, not from the cache; what its pinning absorbed (a registration
+    /// fallback, a helper thread that did not start) is kept for the engine to record.
+    pub fn pin_new(&mut self, len: usize) -> Result<HostBuffer> {
         let (mut buf, fallback) = HostBuffer::acquire(&self.driver, len)?;
         self.fallbacks.extend(fallback);
         self.notes.append(&mut buf.notes);
