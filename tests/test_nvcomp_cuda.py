@@ -53,7 +53,7 @@ def test_the_codec_is_active_and_says_where_it_comes_from():
 
 def test_bf16_weights_compress_to_two_thirds_and_come_back_bit_identical():
     torch.manual_seed(0)
-    # 64 MiB plus an odd tail: the last range is shorter than 2 MiB and than a 256 KiB chunk.
+    # 64 MiB plus an odd tail: the last range is shorter than 2 MiB and than one nvCOMP chunk.
     w = torch.empty(32 * MiB + 12_345, dtype=torch.bfloat16, device="cuda").normal_() * 0.02
     stored, out = _round_trip(w, "bits16")
     raw = w.view(torch.uint8).reshape(-1)

@@ -3,9 +3,8 @@
 //!
 //! Sleep (`pack`): the chunks of the allocations to compress are fingerprinted first (one batch per device,
 //! waited for: the prints a wake verifies against), then the driver's codec writes each chunk's blob where the
-//! `Placer` says: back to back in arenas sized from an estimate of the ratio (the last sleep's), a new one when
-//! the estimate falls short. Each arena is checked against the host budget and what the host can still pin
-//! before it is taken. A retained compressed backup (retain.rs) keeps the blobs of its unchanged chunks (not
+//! `Placer` says (placer.rs: back to back in arenas sized from an estimate of the ratio, the last sleep's, grown
+//! in place when the estimate falls short). A retained compressed backup (retain.rs) keeps the blobs of its unchanged chunks (not
 //! compressed, not copied again); only changed chunks get new blobs. Any failure (prints, codec, host memory)
 //! returns an error with nothing changed; the engine then copies those allocations raw for this sleep.
 //!
@@ -20,6 +19,7 @@
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 
+use super::placer::Placer;
 use super::{Backup, BackupStore, Place};
 use crate::driver::codec::{DataKind, RestoreItem, Stored};
 use crate::driver::{DevPtr, Driver};
@@ -34,21 +34,6 @@ pub const MAX_RANGE: usize = 2 << 20;
 
 /// The ratio assumed before any sleep measured one (bf16 weights: ~0.67).
 pub(super) const FIRST_RATIO_GUESS: f64 = 0.69;
-
-/// Smallest arena taken for blobs: a few pages, so that a small backup does not hold more than its raw size.
-const MIN_ARENA: usize = 64 << 10;
-
-/// Largest arena taken for blobs after a sleep's first one (which takes the whole estimate: see `Placer::place`),
-/// and largest tail `finish` moves into an arena of its exact size (a host copy of at most this much).
-const MAX_ARENA: usize = 256 << 20;
-
-/// Room over the estimate for a sleep's first arena: the last sleep's ratio is close for weights that changed
-/// little; data that compresses worse than that gets further arenas for the rest.
-const ESTIMATE_SLACK: f64 = 1.03;
-
-/// A cached arena is taken when it is at most this much larger than what the placer asks for; a larger one is
-/// returned to the OS first (holding it beside a new arena would double the RAM, using it would hold its size).
-const CACHED_SLACK: f64 = 1.06;
 
 /// Decodes a blob on the host, where the codec's format allows it (the simulated driver's): `read_backup` of a
 /// compressed backup. None on CUDA, whose blobs only a wake restores.
@@ -150,142 +135,6 @@ pub struct PackedSleep {
     pub copied_bytes: usize,
 }
 
-/// Hands out blob places back to back in arenas it takes as needed (see the module notes).
-struct Placer<'s> {
-    store: &'s mut BackupStore,
-    arenas: Vec<HostBuffer>,
-    /// Bytes used in the last arena.
-    used: usize,
-    /// Bytes of the arenas taken so far, cached ones included (counted against the budget before the next).
-    taken: usize,
-    ratio: f64,
-}
-
-impl Placer<'_> {
-    /// A place for a blob of `len` bytes; `rest_raw` raw bytes (this one's included) are still to be placed.
-    fn place(&mut self, len: usize, rest_raw: usize) -> Result<(usize, usize)> {
-        let at = match self.fit(len) {
-            Some(at) => at,
-            None => {
-                let buf = self.take_arena(len, rest_raw)?;
-                self.taken += buf.len();
-                self.arenas.push(buf);
-                self.used = 0;
-                self.fit(len).ok_or_else(|| {
-                    Error::InvalidState(format!(
-                        "a blob of {len} bytes fits no pinned piece of a new host arena"
-                    ))
-                })?
-            }
-        };
-        self.used = at + len;
-        Ok((self.arenas.len() - 1, at))
-    }
-
-    /// A new arena for the blobs of `rest_raw` raw bytes, the first of which takes `len`: the cached one when it
-    /// is about that size, else a new one within the budget and the host's room.
-    fn take_arena(&mut self, len: usize, rest_raw: usize) -> Result<HostBuffer> {
-        const REFUSED: &str = "compressed backup (this sleep copies it raw instead)";
-        // Never more than the raw bytes left: no blob is larger than its range (one that would not shrink is
-        // stored raw), and the host bound's spare is no larger than the largest backup a sleep made.
-        let estimate = ((rest_raw as f64 * self.ratio * ESTIMATE_SLACK) as usize).min(rest_raw);
-        // The first arena holds the whole estimate, as the raw path's one arena does: the next sleep of the same
-        // weights finds it in the host cache (where the wake left it) and pins nothing. Arenas of 256 MiB pinned
-        // afresh each sleep and unpinned at each wake cost more than the copies (H200: a compressed sleep of
-        // 15 GiB at 0.38x of the link).
-        let size = if self.arenas.is_empty() {
-            estimate.max(MIN_ARENA)
-        } else {
-            estimate.clamp(MIN_ARENA, MAX_ARENA)
-        }
-        .max(len);
-        match self.store.host.take_cached(size) {
-            Some(mut b) if b.len() as f64 <= size as f64 * CACHED_SLACK && holds_blobs(&b) => {
-                // Pinned ahead in part (in cells): the rest is pinned now, each gap as one piece.
-                if let Err(e) = b.pin_gaps() {
-                    let _ = self.store.host.cache(b);
-                    return Err(e);
-                }
-                return Ok(b);
-            }
-            Some(b) => {
-                // Too large to hold for this: back to the OS before a new one is pinned (the pool's own `acquire`
-                // does the same with cached buffers too small).
-                if let Err((b, e)) = b.release() {
-                    let _ = self.store.host.cache(*b);
-                    return Err(e);
-                }
-            }
-            None => {}
-        }
-        // Under a budget, no more than the room it leaves (a minimum-size arena for a few small blobs must not
-        // refuse what fits).
-        let size = match self.store.budget_room() {
-            Some(room) => size.min(room.saturating_sub(self.taken)).max(len),
-            None => size,
-        };
-        self.store.check_budget(self.taken + size, REFUSED)?;
-        self.store.room.check(size, REFUSED)?;
-        let t = std::time::Instant::now();
-        let buf = self.store.host.pin_new(size)?;
-        log::debug!(
-            "compressed sleep: pinned a blob arena of {size} bytes in {:.1} ms",
-            t.elapsed().as_secs_f64() * 1e3
-        );
-        Ok(buf)
-    }
-
-    /// Where in the last arena a blob of `len` bytes goes (from `used` on, inside one pinned piece: the codec's
-    /// copies of it must not span two registrations), if it fits.
-    fn fit(&self, len: usize) -> Option<usize> {
-        let a = self.arenas.last()?;
-        let mut at = self.used;
-        while at + len <= a.len() {
-            let (_, end) = a.piece_at(at)?;
-            if at + len <= end {
-                return Some(at);
-            }
-            at = end;
-        }
-        None
-    }
-}
-
-/// Whether the pinned pieces of a cached buffer (cells of the pin chunk, from its start) are large enough for
-/// blobs, which each lie inside one piece: a small pin chunk (`set_pin_chunk`) would leave most of it unused.
-fn holds_blobs(b: &HostBuffer) -> bool {
-    const ROOM: usize = 2 * MAX_RANGE;
-    b.piece_at(0)
-        .is_none_or(|(_, end)| end >= ROOM.min(b.len()))
-}
-
-impl Placer<'_> {
-    /// The arenas, the last one moved into a buffer of the bytes it uses when more than an eighth of it is
-    /// unused (host bytes held = stored bytes, within that slack). A failure keeps it as it is.
-    fn finish(mut self) -> Vec<HostBuffer> {
-        let Some(last) = self.arenas.last() else {
-            return self.arenas;
-        };
-        let (len, used) = (last.len(), self.used);
-        // A large first arena keeps its slack: moving gigabytes would cost more than the bytes it frees, and the
-        // next sleep's estimate (this sleep's ratio) sizes it closely. A small one is moved whatever its size: a
-        // minimum-size arena holding a few small blobs would otherwise keep its whole size out of a tight budget
-        // (two of them filled a budget of two granules, and the next sleep of those allocations fell back to raw
-        // copies).
-        if used == 0 || used > MAX_ARENA || len - used <= len / 8 {
-            return self.arenas;
-        }
-        let Ok(mut exact) = self.store.host.pin_new(used) else {
-            return self.arenas;
-        };
-        let old = self.arenas.pop().expect("checked");
-        exact.copy_from(0, &old, 0, used); // no device copy touches either: the codec has returned
-        let _ = self.store.host.give_back(old);
-        self.arenas.push(exact);
-        self.arenas
-    }
-}
-
 impl BackupStore {
     /// Whether sleeps compress: on, a codec offered, a fingerprint chunk the codec takes, prints that work.
     pub fn compressing(&self) -> bool {
@@ -306,6 +155,12 @@ impl BackupStore {
         (raw as f64 * self.ratio_guess * 1.05).min(raw as f64) as usize
     }
 
+    /// Whether this sleep copies `addr` raw without trying the codec: its last compressed backup kept no chunk
+    /// compressed (incompressible.rs). Counts the sleep.
+    pub fn skips_codec(&mut self, addr: DevPtr) -> bool {
+        self.incompressible.skip(addr)
+    }
+
     /// What the codec is, while sleeps compress.
     pub fn codec_description(&self) -> Option<String> {
         self.compressing()
@@ -324,13 +179,15 @@ impl BackupStore {
     }
 
     /// Sleep: compressed backups of `jobs` (fresh) and of `retained` (allocations with a retained compressed
-    /// backup: only their changed chunks are compressed again). Nothing is released here; on error nothing
-    /// changed (the arenas taken go back) and the caller copies these allocations raw.
+    /// backup: only their changed chunks are compressed again). `raw_after`: raw bytes the same sleep copies raw
+    /// next (a cached buffer they fit is left to them). Nothing is released here; on error nothing changed (the
+    /// arenas taken go back) and the caller copies these allocations raw.
     pub fn pack(
         &mut self,
         reg: &Registry,
         jobs: &[PackJob],
         retained: &[DevPtr],
+        raw_after: usize,
         log: &mut ErrorLog,
     ) -> Result<PackedSleep> {
         let driver = self.driver.clone();
@@ -373,13 +230,7 @@ impl BackupStore {
             }
         }
         let ratio = self.ratio_guess;
-        let mut placer = Placer {
-            store: self,
-            arenas: Vec::new(),
-            used: 0,
-            taken: 0,
-            ratio,
-        };
+        let mut placer = Placer::new(self, ratio, raw_after);
         // Raw bytes of the ranges given to the codec.
         let mut raw_compressed = 0;
         // (arena index, offset, stored) of each compressed chunk.
@@ -396,7 +247,7 @@ impl BackupStore {
             raw_compressed += rest;
             let mut places = Vec::with_capacity(ranges.len());
             let stored = codec.compress_to_host(*dev, &ranges, *kind, &mut |i, len| {
-                let (a, off) = placer.place(len, rest)?;
+                let (a, off) = placer.place(len, ranges[i].1, rest)?;
                 rest = rest.saturating_sub(ranges[i].1);
                 places.push((a, off));
                 Ok(placer.arenas[a].at(off))
@@ -424,6 +275,7 @@ impl BackupStore {
             }
         }
         let t = std::time::Instant::now();
+        let skipped = placer.skipped;
         let arenas: Vec<Arc<HostBuffer>> = (placer.finish().into_iter())
             .map(|a| self.adopt(a, log))
             .collect();
@@ -452,6 +304,10 @@ impl BackupStore {
                     None => old.as_ref().expect("unchanged chunks are retained").blobs[i].clone(),
                 })
                 .collect();
+            if old.is_none() {
+                let all_raw = blobs.iter().all(|b| b.stored.raw);
+                self.incompressible.record(addr, all_raw);
+            }
             let packed = Packed {
                 kind,
                 chunk,
@@ -472,9 +328,9 @@ impl BackupStore {
         // sleep took for its blobs (those of unchanged retained chunks were made before), at most their raw bytes.
         // Not the blobs' bytes: the arena holds a few percent more (its estimate's slack), and a spare bound below
         // it had every wake unpin it and the next sleep pin a new one (H200, 15 GiB of bf16: 250 ms at the wake,
-        // 480 ms at the sleep).
+        // 480 ms at the sleep). An arena grown in place may pass the raw bytes by the pieces' ends left unused.
         let taken: usize = arenas.iter().map(|a| a.len()).sum();
-        self.largest = self.largest.max(taken.min(raw_compressed));
+        self.largest = self.largest.max(taken.min(raw_compressed + skipped));
         if out.raw_bytes > 0 {
             self.ratio_guess = (out.stored_bytes as f64 / out.raw_bytes as f64).clamp(0.01, 1.0);
         }

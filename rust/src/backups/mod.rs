@@ -18,7 +18,9 @@ mod budget;
 mod compressed;
 mod file_tier;
 mod file_wake;
+mod incompressible;
 mod pin_ahead;
+mod placer;
 mod retain;
 mod spill_file;
 mod spill_names;
@@ -275,6 +277,8 @@ pub struct BackupStore {
     asleep_raw: usize,
     /// Views of host backups handed out (view.rs).
     views: view::Views,
+    /// Allocations whose last compressed backup was all raw chunks (incompressible.rs).
+    incompressible: incompressible::Incompressible,
 }
 
 /// Record what pinning absorbed: registrations the driver's own allocation served, and worker threads that could
@@ -328,6 +332,7 @@ impl BackupStore {
             ratio_guess: compressed::FIRST_RATIO_GUESS,
             asleep_raw: 0,
             views: view::Views::default(),
+            incompressible: Default::default(),
             driver,
         }
     }
@@ -382,6 +387,7 @@ impl BackupStore {
         }
         self.retention.drop(addrs);
         self.views.forget(addrs);
+        self.incompressible.forget(addrs);
         self.collect_unused(log);
     }
 

@@ -33,7 +33,8 @@ impl Engine {
         };
         let (mut raw, mut jobs) = (Vec::new(), Vec::new());
         for addr in backed {
-            match kind_of(inner, addr) {
+            // An allocation the codec could not shrink last time is copied raw (counted: it is tried again later).
+            match kind_of(inner, addr).filter(|_| !inner.backups.skips_codec(addr)) {
                 Some(kind) => {
                     let a = inner.reg.get(addr).expect("selected");
                     jobs.push(PackJob {
@@ -56,9 +57,13 @@ impl Engine {
         if jobs.is_empty() && retained.is_empty() {
             return (raw, PackedSleep::default(), unplanned);
         }
+        // What the same sleep then copies raw: the placer leaves it a cached buffer of that size.
+        let raw_after = (raw.iter())
+            .map(|a| inner.reg.get(*a).map_or(0, |a| a.size))
+            .sum();
         match inner
             .backups
-            .pack(&inner.reg, &jobs, &retained, &mut inner.log)
+            .pack(&inner.reg, &jobs, &retained, raw_after, &mut inner.log)
         {
             Ok(packed) => (raw, packed, unplanned),
             Err(e) => {

@@ -23,14 +23,26 @@ const MAX_TOUCH_THREADS: usize = 16;
 impl HostBuffer {
     /// Map `len` bytes of host memory, asking for huge pages, without touching or pinning them yet.
     pub fn map_unpinned(driver: &Arc<dyn Driver>, len: usize) -> Result<HostBuffer> {
+        HostBuffer::map_growable(driver, len, len)
+    }
+
+    /// Map `len` bytes as `map_unpinned` does, with address space for `reserve` bytes in all: `grow` can later
+    /// pin up to `reserve - len` more bytes right after them (a compressed sleep's blob arena, whose needs are an
+    /// estimate until the codec has run).
+    pub fn map_growable(
+        driver: &Arc<dyn Driver>,
+        len: usize,
+        reserve: usize,
+    ) -> Result<HostBuffer> {
         if len == 0 {
             return Err(Error::invalid("host buffer of 0 bytes"));
         }
+        let reserve = reserve.max(len);
         // SAFETY: a fresh private anonymous read-write mapping at an address the kernel chooses.
         let mapped = unsafe {
             mmap_anonymous(
                 std::ptr::null_mut(),
-                len,
+                reserve,
                 ProtFlags::READ | ProtFlags::WRITE,
                 MapFlags::PRIVATE,
             )
@@ -43,11 +55,12 @@ impl HostBuffer {
                 })
             }
         };
-        // SAFETY: [ptr, ptr+len) is the mapping made above. Huge pages are a hint; failure only costs speed.
-        let _ = unsafe { madvise(ptr as *mut c_void, len, Advice::LinuxHugepage) };
+        // SAFETY: [ptr, ptr+reserve) is the mapping made above. Huge pages are a hint; failure only costs speed.
+        let _ = unsafe { madvise(ptr as *mut c_void, reserve, Advice::LinuxHugepage) };
         Ok(HostBuffer {
             ptr,
             len,
+            reserved: reserve,
             origin: Origin::Mapped {
                 pinned: PinnedPieces::default(),
             },
@@ -60,7 +73,16 @@ impl HostBuffer {
     /// Acquire `len` bytes of pinned host memory. When registering failed and the fallback served, the
     /// registration error comes back beside the buffer, for the caller to record.
     pub fn acquire(driver: &Arc<dyn Driver>, len: usize) -> Result<(HostBuffer, Option<Error>)> {
-        let mut buf = HostBuffer::map_unpinned(driver, len)?;
+        HostBuffer::acquire_growable(driver, len, len)
+    }
+
+    /// `acquire` with room to grow to `reserve` bytes in place (the fallback, driver-allocated, has none).
+    pub fn acquire_growable(
+        driver: &Arc<dyn Driver>,
+        len: usize,
+        reserve: usize,
+    ) -> Result<(HostBuffer, Option<Error>)> {
+        let mut buf = HostBuffer::map_growable(driver, len, reserve)?;
         let Err(register_err) = buf.pin(0, len) else {
             return Ok((buf, None));
         };
@@ -75,6 +97,7 @@ impl HostBuffer {
         let buf = HostBuffer {
             ptr: p.0,
             len,
+            reserved: len,
             origin: Origin::DriverAlloc,
             live: true,
             driver: driver.clone(),
@@ -104,9 +127,9 @@ impl HostBuffer {
                     unsafe { self.driver.host_unregister(HostPtr(self.ptr + offset))? };
                     pinned.remove(offset);
                 }
-                // SAFETY: our own mapping, no longer registered; no copy is in flight, since the engine waits for
-                // every copy before a buffer goes back.
-                let _ = unsafe { munmap(self.ptr as *mut c_void, self.len) };
+                // SAFETY: our own mapping (all `reserved` bytes of it), no longer registered; no copy is in flight,
+                // since the engine waits for every copy before a buffer goes back.
+                let _ = unsafe { munmap(self.ptr as *mut c_void, self.reserved) };
             }
             // SAFETY: our host_alloc memory, freed once (`live` turns false below); no copy is in flight.
             Origin::DriverAlloc => unsafe { self.driver.host_free(HostPtr(self.ptr))? },

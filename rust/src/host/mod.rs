@@ -37,10 +37,15 @@ enum Origin {
 }
 
 /// One host buffer, pinned whole (`acquire`) or piece by piece (`map_unpinned` + `pin`, so that a cold sleep
-/// can copy into the first pieces while it pins the next). Dropping it unpins and unmaps it.
+/// can copy into the first pieces while it pins the next), possibly with room to grow in place (`map_growable`,
+/// `grow`). Dropping it unpins and unmaps it.
 pub struct HostBuffer {
     ptr: usize,
     len: usize,
+    /// Bytes of the mapping, `len` or more: a buffer mapped with room to grow (`map_growable`) pins further
+    /// bytes in place (`grow`) instead of a second buffer being pinned beside it. The room is address space only,
+    /// never touched nor pinned, so it holds no memory.
+    reserved: usize,
     origin: Origin,
     /// False once `release` gave the memory back, so Drop has nothing left to do.
     live: bool,
@@ -56,6 +61,14 @@ impl HostBuffer {
 
     pub fn is_empty(&self) -> bool {
         self.len == 0
+    }
+
+    /// Bytes `grow` can still add in place (0 for a buffer the driver allocated).
+    pub fn room_to_grow(&self) -> usize {
+        match self.origin {
+            Origin::Mapped { .. } => self.reserved - self.len,
+            Origin::DriverAlloc => 0,
+        }
     }
 
     /// True when byte `offset` lies in a pinned piece. Pieces are the whole buffer or cells of one fixed grid,

@@ -55,6 +55,25 @@ impl HostBuffer {
         Ok(())
     }
 
+    /// Grow the buffer in place by `extra` bytes, pinned as one new piece after the last byte (within the room
+    /// `map_growable` reserved). On failure the buffer keeps its length, and nothing new is pinned.
+    pub fn grow(&mut self, extra: usize) -> Result<()> {
+        if extra > self.room_to_grow() {
+            return Err(Error::InvalidState(format!(
+                "a host buffer of {} bytes cannot grow by {extra} in place ({} bytes of room)",
+                self.len,
+                self.room_to_grow()
+            )));
+        }
+        let old = self.len;
+        self.len += extra;
+        if let Err(e) = self.pin(old, extra) {
+            self.len = old;
+            return Err(e);
+        }
+        Ok(())
+    }
+
     /// Pin every byte not pinned yet, each gap between pieces as one registration (a buffer pinned ahead in part,
     /// taken by a sleep that copies into it without pinning cell by cell).
     pub fn pin_gaps(&mut self) -> Result<()> {

@@ -52,6 +52,24 @@ impl HostPool {
         Ok(buf)
     }
 
+    /// A new buffer as `pin_new` gives, with address space to grow to `reserve` bytes in place.
+    pub fn pin_new_growable(&mut self, len: usize, reserve: usize) -> Result<HostBuffer> {
+        let (mut buf, fallback) = HostBuffer::acquire_growable(&self.driver, len, reserve)?;
+        self.fallbacks.extend(fallback);
+        self.notes.append(&mut buf.notes);
+        Ok(buf)
+    }
+
+    /// The cached buffer that serves `len` bytes with the least memory: the smallest of at least `len`, else one
+    /// that can grow in place to `len` (the caller grows it), if any.
+    pub fn take_cached_or_growable(&mut self, len: usize) -> Option<HostBuffer> {
+        if let Some(b) = self.take_cached(len) {
+            return Some(b);
+        }
+        let i = (self.cached.iter()).position(|b| b.len() + b.room_to_grow() >= len)?;
+        Some(self.cached.swap_remove(i))
+    }
+
     /// The smallest cached buffer of at least `len` bytes, if any.
     pub fn take_cached(&mut self, len: usize) -> Option<HostBuffer> {
         let best = self
