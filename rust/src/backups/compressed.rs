@@ -29,11 +29,14 @@ use crate::fingerprint::{self, Fingerprint};
 use crate::host::HostBuffer;
 use crate::registry::Registry;
 
-/// Largest range the codec is given (`DeviceCodec::compress_to_host`'s promise).
-pub const MAX_RANGE: usize = 2 << 20;
+pub use super::placer::MAX_RANGE;
 
 /// The ratio assumed before any sleep measured one (bf16 weights: ~0.67).
 pub(super) const FIRST_RATIO_GUESS: f64 = 0.69;
+
+/// Context of a blob arena that could not grow in place (a new arena took the rest of the blobs).
+const GROW_FAILED: &str =
+    "growing a compressed sleep's host arena in place (a new arena took the rest)";
 
 /// Decodes a blob on the host, where the codec's format allows it (the simulated driver's): `read_backup` of a
 /// compressed backup. None on CUDA, whose blobs only a wake restores.
@@ -276,6 +279,9 @@ impl BackupStore {
         }
         let t = std::time::Instant::now();
         let skipped = placer.skipped;
+        for e in std::mem::take(&mut placer.grow_failures) {
+            log.record(GROW_FAILED, &e);
+        }
         let arenas: Vec<Arc<HostBuffer>> = (placer.finish().into_iter())
             .map(|a| self.adopt(a, log))
             .collect();

@@ -9,10 +9,17 @@
 //! what the host can still pin first. `finish` moves a small last arena that is mostly unused into one of its
 //! exact size.
 
-use super::compressed::MAX_RANGE;
 use super::BackupStore;
 use crate::error::{Error, Result};
 use crate::host::HostBuffer;
+
+/// Largest range the codec is given (`DeviceCodec::compress_to_host`'s promise): no blob is larger.
+pub const MAX_RANGE: usize = 2 << 20;
+
+/// Smallest first arena mapped with room to grow in place. Below it a sleep that needs more takes a second arena,
+/// which costs little at that size, and no piece end is left unused inside one arena (the host bound's spare
+/// stays within the largest sleep's bytes, where a piece end would be a large share of a small arena).
+const GROW_MIN_ARENA: usize = 8 << 20;
 
 /// Smallest arena taken for blobs: a few pages, so that a small backup does not hold more than its raw size.
 const MIN_ARENA: usize = 64 << 10;
@@ -47,6 +54,8 @@ pub(super) struct Placer<'s> {
     placed_stored: usize,
     /// Bytes left unused at the ends of pinned pieces (a blob lies inside one piece).
     pub(super) skipped: usize,
+    /// Failures to grow an arena in place (a new arena took the rest), for the sleep to record.
+    pub(super) grow_failures: Vec<Error>,
     /// Raw bytes the same sleep copies raw after the blobs (allocations that do not compress): a cached buffer
     /// of that size is left to those copies instead of being returned to the OS.
     for_raw: usize,
@@ -64,6 +73,7 @@ impl<'s> Placer<'s> {
             placed_raw: 0,
             placed_stored: 0,
             skipped: 0,
+            grow_failures: Vec::new(),
             for_raw,
         }
     }
@@ -130,7 +140,10 @@ impl Placer<'_> {
         }
         self.store.room.check(extra, "").ok()?;
         let t = std::time::Instant::now();
-        self.arenas.last_mut()?.grow(extra).ok()?;
+        if let Err(e) = self.arenas.last_mut()?.grow(extra) {
+            self.grow_failures.push(e);
+            return None;
+        }
         self.taken += extra;
         log::debug!(
             "compressed sleep: grew the blob arena by {extra} bytes in place in {:.1} ms",
@@ -204,8 +217,10 @@ impl Placer<'_> {
         self.store.room.check(size, REFUSED)?;
         let t = std::time::Instant::now();
         let buf = match first {
-            true => (self.store.host).pin_new_growable(size, rest_raw.max(size) + GROW_SLACK)?,
-            false => self.store.host.pin_new(size)?,
+            true if size >= GROW_MIN_ARENA => {
+                (self.store.host).pin_new_growable(size, rest_raw.max(size) + GROW_SLACK)?
+            }
+            _ => self.store.host.pin_new(size)?,
         };
         log::debug!(
             "compressed sleep: pinned a blob arena of {size} bytes in {:.1} ms",
