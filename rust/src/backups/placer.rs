@@ -121,6 +121,17 @@ impl Placer<'_> {
         }
     }
 
+    /// Host bytes the blobs of `rest_raw` raw bytes are estimated to take, with the slack: never more than the raw
+    /// bytes (no blob is larger than its range: one that would not shrink is stored raw).
+    fn estimate(&self, rest_raw: usize) -> usize {
+        ((rest_raw as f64 * self.rest_ratio() * ESTIMATE_SLACK) as usize).min(rest_raw)
+    }
+
+    /// Bytes the host budget leaves for further arenas or growth (unbounded without a budget).
+    fn budget_left(&self) -> usize {
+        (self.store.budget_room()).map_or(usize::MAX, |room| room.saturating_sub(self.taken))
+    }
+
     /// Grow the last arena in place for the rest of the blobs, the first of which takes `len` (data compressing
     /// worse than the estimate): one arena stays one arena, so the next sleep finds it whole in the host cache.
     /// A second arena beside it would be returned at the wake (the cache keeps one buffer) and pinned again at
@@ -130,11 +141,8 @@ impl Placer<'_> {
     fn grow_last(&mut self, len: usize, rest_raw: usize) -> Option<usize> {
         let last = self.arenas.last()?;
         let room = last.room_to_grow();
-        let want = ((rest_raw as f64 * self.rest_ratio() * ESTIMATE_SLACK) as usize).min(rest_raw);
-        let mut extra = want.max(len).max(MIN_ARENA.min(room)).min(room);
-        if let Some(budget_room) = self.store.budget_room() {
-            extra = extra.min(budget_room.saturating_sub(self.taken));
-        }
+        let wanted = self.estimate(rest_raw).max(len).max(MIN_ARENA.min(room));
+        let extra = wanted.min(room).min(self.budget_left());
         if extra < len {
             return None;
         }
@@ -153,14 +161,13 @@ impl Placer<'_> {
     }
 
     /// A new arena for the blobs of `rest_raw` raw bytes, the first of which takes `len`: the cached one when it
-    /// is about that size (grown in place when a little short), else a new one within the budget and the host's
+    /// is about that size (or can grow to it in place), else a new one within the budget and the host's
     /// room. A sleep's first arena is mapped with room to grow to `rest_raw` (address space only).
     fn take_arena(&mut self, len: usize, rest_raw: usize) -> Result<HostBuffer> {
         const REFUSED: &str = "compressed backup (this sleep copies it raw instead)";
-        // Never more than the raw bytes left: no blob is larger than its range (one that would not shrink is
-        // stored raw), and the host bound's spare is no larger than the largest backup a sleep made.
-        let estimate =
-            ((rest_raw as f64 * self.rest_ratio() * ESTIMATE_SLACK) as usize).min(rest_raw);
+        // Never more than the raw bytes left (`estimate`): the host bound's spare is no larger than the largest
+        // backup a sleep made.
+        let estimate = self.estimate(rest_raw);
         let first = self.arenas.is_empty();
         // The first arena holds the whole estimate, as the raw path's one arena does: the next sleep of the same
         // weights finds it in the host cache (where the wake left it) and pins nothing. Arenas of 256 MiB pinned
@@ -174,18 +181,10 @@ impl Placer<'_> {
         .max(len);
         match self.store.host.take_cached_or_growable(size) {
             Some(mut b) if b.len() <= cached_fits(size) && holds_blobs(&b) => {
-                // Pinned ahead in part (in cells): the rest is pinned now, each gap as one piece; a little short
-                // of the estimate (the ratio moved): grown in place.
-                let short = size.saturating_sub(b.len());
-                let grown = b.pin_gaps().and_then(|()| match short {
-                    0 => Ok(()),
-                    _ => {
-                        self.store.check_budget(self.taken + size, REFUSED)?;
-                        self.store.room.check(short, REFUSED)?;
-                        b.grow(short)
-                    }
-                });
-                if let Err(e) = grown {
+                // Pinned ahead in part (in cells): the rest is pinned now, each gap as one piece. A little short of
+                // the estimate (the ratio moved): `grow_last` grows it in place once its bytes are used, as it grows
+                // any first arena.
+                if let Err(e) = b.pin_gaps() {
                     let _ = self.store.host.cache(b);
                     return Err(e);
                 }
@@ -209,10 +208,7 @@ impl Placer<'_> {
         }
         // Under a budget, no more than the room it leaves (a minimum-size arena for a few small blobs must not
         // refuse what fits).
-        let size = match self.store.budget_room() {
-            Some(room) => size.min(room.saturating_sub(self.taken)).max(len),
-            None => size,
-        };
+        let size = size.min(self.budget_left()).max(len);
         self.store.check_budget(self.taken + size, REFUSED)?;
         self.store.room.check(size, REFUSED)?;
         let t = std::time::Instant::now();

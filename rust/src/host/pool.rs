@@ -46,10 +46,7 @@ impl HostPool {
     /// A new buffer of exactly `len` bytes, not from the cache; what its pinning absorbed (a registration
     /// fallback, a helper thread that did not start) is kept for the engine to record.
     pub fn pin_new(&mut self, len: usize) -> Result<HostBuffer> {
-        let (mut buf, fallback) = HostBuffer::acquire(&self.driver, len)?;
-        self.fallbacks.extend(fallback);
-        self.notes.append(&mut buf.notes);
-        Ok(buf)
+        self.pin_new_growable(len, len)
     }
 
     /// A new buffer as `pin_new` gives, with address space to grow to `reserve` bytes in place.
