@@ -265,6 +265,11 @@ class Allocator:
     @property
     def spill_dir(self) -> Optional[pathlib.Path]:
         """The spill directory, or None."""
+    def settle_spill_files(self) -> None:
+        """Wait until the disk blocks of the spill files and holes given back so far are free. A wake, free or
+        discard that drops file backups returns before the file system has freed their blocks (closing a file of
+        a few GiB takes it about a second); a background thread does that. The next sleep's space check and
+        `close()` wait for it too; call this before measuring the disk."""
     def set_staging_bytes(self, nbytes: int) -> None:
         """Size of the file tier's pinned staging ring (default 256 MiB, at least 4 KiB; outside the host budget)."""
     def inject_spill_fault(self, op: Literal["write", "read"], nth: int = 1, error: Literal["short", "enospc", "eio"] = "eio") -> None:

@@ -285,6 +285,12 @@ class CuMemAllocator:
         self._check_open()
         self._native.set_spill_dir(path)
 
+    def settle_spill_files(self) -> None:
+        """Wait until the disk blocks of spill files given back so far are free; see
+        `Allocator.settle_spill_files`."""
+        self._check_open()
+        self._native.settle_spill_files()
+
     def set_staging_bytes(self, nbytes: int) -> None:
         """Size of the file tier's pinned staging ring (default 256 MiB); see `Allocator.set_staging_bytes`."""
         self._check_open()

@@ -59,8 +59,8 @@ class Report(TypedDict):
     #: staging ring's copies to the device, queueing and waiting for them (0.0 on sleep and without files).
     file_read_wait_seconds: float
     file_copy_seconds: float
-    #: Wake: seconds spent giving back what the restored backups held (host arenas, spill-file disk blocks: a spill
-    #: file whose last backup went is closed, and the file system frees its blocks then) after the wake succeeded.
+    #: Wake: seconds spent giving back what the restored backups held (host arenas; a spill file whose last backup
+    #: went is handed to a background thread, which closes it after the call) after the wake succeeded.
     release_seconds: float
     #: Compressed backups the call made (sleep) or restored (wake): their raw bytes and the host bytes their
     #: blobs take (stored_bytes / raw_bytes is the ratio); raw backups count in neither.

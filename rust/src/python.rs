@@ -11,15 +11,14 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyBytes, PyDict, PyList};
 
 use crate::backups::BackupTier;
-use crate::driver::cuda;
 use crate::driver::sim::{SimConfig, SimDriver, FAULT_ERRORS};
-use crate::driver::Op;
 use crate::engine::{Compress, Engine, Report, TagPolicy, WakeFill};
 use crate::error::Error;
-use crate::{ffi, global};
+use crate::global;
 
 mod convert;
 mod errors;
+mod functions;
 mod host_bytes;
 mod nvcomp;
 mod preload;
@@ -353,6 +352,15 @@ impl Allocator {
     #[getter]
     fn spill_dir(&self, py: Python<'_>) -> PyResult<Option<std::path::PathBuf>> {
         guard(|| Ok(py.detach(|| self.engine.spill_dir())?))
+    }
+
+    /// Wait until the disk blocks of the spill files and holes given back so far are free (the reclaim thread
+    /// frees them after the call that dropped their backups).
+    fn settle_spill_files(&self, py: Python<'_>) -> PyResult<()> {
+        guard(|| {
+            py.detach(|| self.engine.settle_spill_files());
+            Ok(())
+        })
     }
 
     fn set_staging_bytes(&self, py: Python<'_>, nbytes: &Bound<'_, PyAny>) -> PyResult<()> {
@@ -696,87 +704,12 @@ impl Allocator {
     }
 }
 
-/// The host reference fingerprint of `data` (a multiple of 16 bytes) in chunks of `chunk` bytes: the same
-/// values the GPU kernel computes on the same bytes.
-#[pyfunction]
-fn fingerprint_bytes(
-    data: &Bound<'_, PyAny>,
-    chunk: &Bound<'_, PyAny>,
-) -> PyResult<Vec<(u64, u64)>> {
-    guard(|| {
-        let data = data
-            .cast::<PyBytes>()
-            .map_err(|_| type_error(format!("data must be bytes, not {}", type_name(data))))?
-            .as_bytes();
-        let chunk = size_arg(chunk, "chunk", false)?;
-        if !chunk.is_multiple_of(crate::fingerprint::WORD)
-            || !data.len().is_multiple_of(crate::fingerprint::WORD)
-        {
-            return Err(value_error(format!(
-                "chunk and len(data) must be multiples of 16, got chunk {chunk} and len(data) {}",
-                data.len()
-            )));
-        }
-        Ok(crate::fingerprint::chunks(data.len(), chunk)
-            .map(|(off, len)| {
-                let [a, b] = crate::fingerprint::fingerprint(&data[off..off + len]);
-                (a, b)
-            })
-            .collect())
-    })
-}
-
-pub(crate) fn fault_ops() -> Vec<&'static str> {
-    (Op::ALL.iter().filter(|o| o.fails_its_call()))
-        .map(|o| o.name())
-        .collect()
-}
-
-/// The fault ops whose call succeeds with wrong results instead of failing (`CORRUPTING_FAULT_OPS`).
-pub(crate) fn corrupting_fault_ops() -> Vec<&'static str> {
-    (Op::ALL.iter().filter(|o| !o.fails_its_call()))
-        .map(|o| o.name())
-        .collect()
-}
-
-/// True when libcuda loads and reports at least one VMM-capable device. Never raises.
-#[pyfunction]
-fn cuda_available(py: Python<'_>) -> bool {
-    guard(|| Ok(cuda::library_present() && py.detach(global::cuda_engine).is_ok())).unwrap_or(false)
-}
-
-#[pyfunction]
-fn is_cuda_allocator_ready() -> PyResult<bool> {
-    guard(|| Ok(global::existing_cuda_engine().is_some()))
-}
-
-/// Errors recorded by my_malloc/my_free when no CUDA allocator existed to record them.
-#[pyfunction]
-fn ffi_errors() -> PyResult<Vec<String>> {
-    guard(|| Ok(ffi::ffi_errors()))
-}
-
-/// Rust-side log records queued since the last call, oldest first: (Python logging level, message).
-#[pyfunction]
-fn drain_logs() -> PyResult<Vec<(u32, String)>> {
-    guard(|| Ok(crate::logbuf::drain()))
-}
-
-/// Test hook: the next my_malloc or my_free call panics inside (the panic must be caught there).
-#[pyfunction]
-fn _panic_in_next_ffi_call(on: bool) -> PyResult<()> {
-    guard(|| {
-        ffi::set_panic_next_call(on);
-        Ok(())
-    })
-}
-
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     guard(|| {
         m.add("__version__", env!("CARGO_PKG_VERSION"))?;
-        m.add("FAULT_OPS", fault_ops())?;
-        m.add("CORRUPTING_FAULT_OPS", corrupting_fault_ops())?;
+        m.add("FAULT_OPS", convert::fault_ops())?;
+        m.add("CORRUPTING_FAULT_OPS", convert::corrupting_fault_ops())?;
         m.add(
             "FAULT_ERRORS",
             FAULT_ERRORS.iter().map(|(n, _)| *n).collect::<Vec<_>>(),
@@ -784,15 +717,10 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
         errors::register(m)?;
         m.add_class::<Allocator>()?;
         m.add_class::<host_bytes::HostBytes>()?;
-        m.add_function(wrap_pyfunction!(cuda_available, m)?)?;
-        m.add_function(wrap_pyfunction!(is_cuda_allocator_ready, m)?)?;
-        m.add_function(wrap_pyfunction!(ffi_errors, m)?)?;
-        m.add_function(wrap_pyfunction!(drain_logs, m)?)?;
-        m.add_function(wrap_pyfunction!(fingerprint_bytes, m)?)?;
+        functions::register(m)?;
         preload::add_functions(m)?;
         nvcomp::register(m)?;
         crate::logbuf::install();
-        m.add_function(wrap_pyfunction!(_panic_in_next_ffi_call, m)?)?;
         Ok(())
     })
 }

@@ -30,6 +30,7 @@ use std::sync::{Arc, Mutex};
 use std::thread::Scope;
 
 use super::spill_file::{FaultKind, SpillDir, SpillFile, SpillIo, IO_ALIGN};
+use super::spill_reclaim;
 use super::{Backup, BackupStore};
 use crate::driver::{DevPtr, Driver};
 use crate::error::{Error, Result};
@@ -472,16 +473,23 @@ impl BackupStore {
         self.file_bytes
     }
 
-    /// Punch the ranges of spill files that no backup holds any more (see `SpillFile::release`); forget the files
-    /// that closed.
+    /// Punch the ranges of spill files that no backup holds any more (see `SpillFile::release`), on the reclaim
+    /// thread (spill_reclaim.rs: the file system frees the blocks as it punches, as slowly as at a close); forget
+    /// the files that closed.
     pub(super) fn punch_released(&mut self) {
+        let mut punch = Vec::new();
         self.files.retain(|f| match f.upgrade() {
             Some(file) => {
-                file.punch_released();
+                if file.has_released() {
+                    punch.push(file);
+                }
                 true
             }
             None => false,
         });
+        if !punch.is_empty() {
+            spill_reclaim::defer(move || punch.iter().for_each(|f| f.punch_released()));
+        }
     }
 
     /// Test hook: the `nth` next spill-file write (`write`) or read fails with `kind`.

@@ -24,6 +24,7 @@ mod placer;
 mod retain;
 mod spill_file;
 mod spill_names;
+mod spill_reclaim;
 mod view;
 
 use std::collections::HashMap;
@@ -54,6 +55,12 @@ pub use view::HostView;
 /// enough that the first copies start early.
 pub const DEFAULT_PIN_CHUNK: usize = 512 << 20;
 
+/// Wait until the disk blocks of the spill files closed and the ranges punched so far are back (the reclaim
+/// thread gives them back after the call that dropped their backups returned: spill_reclaim.rs).
+pub fn settle_spill_files() {
+    spill_reclaim::settle();
+}
+
 /// Context of a recorded failure to start a worker thread.
 pub const THREAD_REFUSED: &str = "starting a worker thread (its work ran on the calling thread)";
 
@@ -79,8 +86,8 @@ enum Place {
 
 /// A backup's bytes in a spill file. Shared by the clones of its `Backup` (the asleep set's, a retained one's, a
 /// pipeline's); when the last goes (woken without retention, freed, its retained backup dropped) the disk blocks
-/// go back at the end of that call (a punched hole, `BackupStore::punch_released`), not when the last backup in
-/// the file goes.
+/// are handed back at the end of that call (a punched hole, `BackupStore::punch_released`, on the reclaim thread:
+/// spill_reclaim.rs), not when the last backup in the file goes.
 struct FileRegion {
     file: Arc<SpillFile>,
     offset: u64,

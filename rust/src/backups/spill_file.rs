@@ -2,8 +2,8 @@
 //!
 //! A spill file is created already unlinked (`O_TMPFILE`, or open-then-unlink where the file system lacks it),
 //! mode 0600, so nothing of a backup is readable by other users and a killed process leaves nothing behind: the
-//! space is the kernel's to reclaim when the last descriptor closes, which is when the last backup in the file is
-//! dropped (woken, freed, closed). `O_DIRECT` is tried first (no page-cache copy of what is already in pinned
+//! space is the kernel's to reclaim when the last descriptor closes, which is soon after the last backup in the
+//! file is dropped (woken, freed, closed): the close runs on the reclaim thread (spill_reclaim.rs). `O_DIRECT` is tried first (no page-cache copy of what is already in pinned
 //! memory); where the file system refuses it, buffered I/O is used and one INFO line says so.
 //!
 //! Named mode (`SpillDir::open(path, true)`, torch_memory_saver's disk backup: the directory is the user's and
@@ -24,7 +24,7 @@ use std::sync::Mutex;
 use rustix::fs::{Mode, OFlags, CWD};
 use rustix::io::Errno;
 
-use super::spill_names;
+use super::{spill_names, spill_reclaim};
 use crate::error::{Error, Result};
 
 pub use crate::host::staging::IO_ALIGN;
@@ -42,9 +42,14 @@ pub struct SpillDir {
     named: bool,
 }
 
+/// Disk a spill file must hold for its close to go to the reclaim thread (spill_reclaim.rs): a smaller one closes
+/// in well under a millisecond.
+const DEFER_CLOSE_BYTES: u64 = 64 << 20;
+
 /// One spill file: unlinked, a sleep's file-tier backups back to back; or named, one backup.
 pub struct SpillFile {
-    fd: OwnedFd,
+    /// Always there until the drop hands it to the reclaim thread.
+    fd: Option<OwnedFd>,
     dir: PathBuf,
     /// Byte ranges no backup holds any more, whose blocks `punch_released` gives back.
     released: Mutex<Vec<(u64, u64)>>,
@@ -53,9 +58,17 @@ pub struct SpillFile {
 }
 
 impl Drop for SpillFile {
+    /// The name goes now (the directory shows only live backups); the close, in which the file system frees the
+    /// blocks (a second for a few GiB), on the reclaim thread when the file holds many, here otherwise (the
+    /// descriptor is free when this returns: a sleep refused at the open-file limit leaves none open).
     fn drop(&mut self) {
         if let Some(serial) = self.name {
             spill_names::remove(serial);
+        }
+        let Some(fd) = self.fd.take() else { return };
+        let blocks = rustix::fs::fstat(&fd).map_or(u64::MAX, |s| s.st_blocks as u64 * 512);
+        if blocks >= DEFER_CLOSE_BYTES {
+            spill_reclaim::defer(move || drop(fd));
         }
     }
 }
@@ -107,6 +120,8 @@ impl SpillDir {
 
     /// Err(OutOfMemory) when fewer than `needed` bytes can be written there (before anything is released).
     pub fn check_space(&self, needed: u64) -> Result<()> {
+        // The blocks of files and holes given back before now count as free: wait for their reclaim.
+        spill_reclaim::settle();
         let free = self.free_bytes()?;
         if needed > free {
             return Err(Error::OutOfMemory {
@@ -166,8 +181,8 @@ impl SpillDir {
         let (fd, serial) = spill_names::create(&self.path, flags, mode)?;
         let file = self.file(fd, Some(serial)); // from here on, dropping `file` removes the name
         if self.direct.load(Ordering::Relaxed) {
-            let fl = rustix::fs::fcntl_getfl(&file.fd)?;
-            match rustix::fs::fcntl_setfl(&file.fd, fl | OFlags::DIRECT) {
+            let fl = rustix::fs::fcntl_getfl(file.fd())?;
+            match rustix::fs::fcntl_setfl(file.fd(), fl | OFlags::DIRECT) {
                 Ok(()) => {}
                 Err(Errno::INVAL) | Err(Errno::OPNOTSUPP) => self.say_buffered(),
                 Err(e) => return Err(e),
@@ -178,7 +193,7 @@ impl SpillDir {
 
     fn file(&self, fd: OwnedFd, name: Option<u64>) -> SpillFile {
         SpillFile {
-            fd,
+            fd: Some(fd),
             dir: self.path.clone(),
             released: Mutex::new(Vec::new()),
             name,
@@ -203,12 +218,19 @@ impl SpillDir {
 }
 
 impl SpillFile {
+    fn fd(&self) -> std::os::fd::BorrowedFd<'_> {
+        self.fd
+            .as_ref()
+            .expect("a spill file's descriptor goes only when it drops")
+            .as_fd()
+    }
+
     /// Give the disk blocks of [offset, offset+len) back (a backup in the file is no longer needed while others
     /// in it still are). Best effort: a file system without hole punching keeps them until the file closes.
     pub fn punch(&self, offset: u64, len: usize) {
         let flags = rustix::fs::FallocateFlags::PUNCH_HOLE | rustix::fs::FallocateFlags::KEEP_SIZE;
         let len = len.next_multiple_of(IO_ALIGN) as u64;
-        let _ = rustix::fs::fallocate(&self.fd, flags, offset, len);
+        let _ = rustix::fs::fallocate(self.fd(), flags, offset, len);
     }
 
     /// [offset, offset+len) is no longer needed: its blocks go back at the next `punch_released`. Deferred so that
@@ -219,6 +241,15 @@ impl SpillFile {
         let end = offset + len.next_multiple_of(IO_ALIGN) as u64;
         let mut released = self.released.lock().unwrap_or_else(|p| p.into_inner());
         released.push((offset, end));
+    }
+
+    /// Whether ranges wait for `punch_released`.
+    pub fn has_released(&self) -> bool {
+        !self
+            .released
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .is_empty()
     }
 
     /// Punch the released ranges, merged where they meet.
@@ -250,7 +281,7 @@ impl SpillFile {
         if len == 0 {
             return Ok(());
         }
-        match rustix::fs::fallocate(&self.fd, rustix::fs::FallocateFlags::empty(), 0, len) {
+        match rustix::fs::fallocate(self.fd(), rustix::fs::FallocateFlags::empty(), 0, len) {
             Err(Errno::NOSPC) => Err(Error::OutOfMemory {
                 what: format!(
                     "sleep (refused before anything was released: every allocation stays awake) needs {len} \
@@ -265,7 +296,7 @@ impl SpillFile {
     /// Bytes of disk the file takes now (blocks allocated), for tests of the space given back.
     #[cfg(test)]
     pub fn disk_bytes(&self) -> u64 {
-        rustix::fs::fstat(&self.fd).map_or(0, |s| s.st_blocks as u64 * 512)
+        rustix::fs::fstat(self.fd()).map_or(0, |s| s.st_blocks as u64 * 512)
     }
 
     /// Write all of `buf` at `offset` through `io`; a write that makes no progress is an error.
@@ -346,7 +377,7 @@ impl SpillIo for PosixIo {
         buf: &[u8],
         offset: u64,
     ) -> std::result::Result<usize, Errno> {
-        rustix::io::pwrite(file.fd.as_fd(), buf, offset)
+        rustix::io::pwrite(file.fd(), buf, offset)
     }
 
     fn read_at(
@@ -355,7 +386,7 @@ impl SpillIo for PosixIo {
         buf: &mut [u8],
         offset: u64,
     ) -> std::result::Result<usize, Errno> {
-        rustix::io::pread(file.fd.as_fd(), buf, offset)
+        rustix::io::pread(file.fd(), buf, offset)
     }
 }
 
@@ -520,7 +551,7 @@ mod tests {
             0,
             "unlinked at creation"
         );
-        let meta = std::fs::File::from(f.fd.try_clone().unwrap())
+        let meta = std::fs::File::from(f.fd().try_clone_to_owned().unwrap())
             .metadata()
             .unwrap();
         assert_eq!(meta.mode() & 0o777, 0o600, "readable by this user only");
@@ -531,6 +562,37 @@ mod tests {
         f.read_exact_at(&PosixIo, &mut page.0, IO_ALIGN as u64)
             .unwrap();
         assert!(page.0.iter().all(|b| *b == 7));
+        std::fs::remove_dir_all(&p).unwrap();
+    }
+
+    /// Descriptors of this process open on files in `dir` (unlinked ones read as "dir/#inode (deleted)").
+    fn open_in(dir: &Path) -> usize {
+        let prefix = format!("{}/", dir.display());
+        std::fs::read_dir("/proc/self/fd")
+            .unwrap()
+            .filter_map(|e| std::fs::read_link(e.ok()?.path()).ok())
+            .filter(|t| t.to_string_lossy().starts_with(&prefix))
+            .count()
+    }
+
+    #[test]
+    fn a_small_file_closes_when_it_drops_and_a_large_one_once_the_reclaim_settles() {
+        let p = temp_dir("reclaim");
+        let dir = SpillDir::open(&p, false).unwrap();
+        let small = dir.create().unwrap();
+        small.reserve(IO_ALIGN as u64).unwrap();
+        drop(small);
+        assert_eq!(open_in(&p), 0, "a small file is closed by its drop");
+        let large = dir.create().unwrap();
+        large.reserve(DEFER_CLOSE_BYTES).unwrap();
+        if large.disk_bytes() < DEFER_CLOSE_BYTES {
+            // No preallocation here: the file holds no blocks, so it closes at once like a small one.
+            std::fs::remove_dir_all(&p).unwrap();
+            return;
+        }
+        drop(large);
+        spill_reclaim::settle();
+        assert_eq!(open_in(&p), 0, "the reclaim thread closed the large file");
         std::fs::remove_dir_all(&p).unwrap();
     }
 
@@ -578,7 +640,7 @@ mod tests {
         );
         f.punch_released();
         // Where the data starts again, not the blocks allocated: an extent block may come with the hole.
-        let data = rustix::fs::seek(&f.fd, rustix::fs::SeekFrom::Data(0)).unwrap();
+        let data = rustix::fs::seek(f.fd(), rustix::fs::SeekFrom::Data(0)).unwrap();
         assert_eq!(data, 5 * IO_ALIGN as u64, "[0, 5 blocks) punched");
         assert!(f.disk_bytes() < full, "{} of {full}", f.disk_bytes());
         let mut out = Box::new(Blocks([0; 2 * IO_ALIGN]));

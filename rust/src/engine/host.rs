@@ -53,6 +53,12 @@ impl Engine {
         self.lock_open()?.backups.set_spill_dir(path, named)
     }
 
+    /// Wait until the disk blocks that spill files dropped so far held are back: the file system frees them when
+    /// a file closes or a hole is punched, which the reclaim thread does after the call that dropped them.
+    pub fn settle_spill_files(&self) {
+        crate::backups::settle_spill_files();
+    }
+
     pub fn spill_dir(&self) -> Result<Option<std::path::PathBuf>> {
         Ok(self.lock_open()?.backups.spill_dir())
     }

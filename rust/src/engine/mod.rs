@@ -337,6 +337,8 @@ impl Engine {
             inner.life.closed = true;
             self.alive.store(false, Ordering::Relaxed);
             tags::forget_tags(self.id);
+            // Closed means the disk blocks of its spill files are back too, not just handed to the reclaim thread.
+            crate::backups::settle_spill_files();
         }
         first_err.map_or(Ok(()), Err)
     }

@@ -33,7 +33,7 @@ pub struct Report {
     pub file_read_wait_seconds: f64,
     pub file_copy_seconds: f64,
     /// Wake: seconds spent giving back what the restored backups held once the wake succeeded (host arenas; a
-    /// spill file whose last backup went is closed, and the file system frees its disk blocks then).
+    /// spill file whose last backup went is handed to the reclaim thread, which closes it after the call).
     pub release_seconds: f64,
     /// Compressed backups this call made (sleep) or restored (wake): their raw bytes, and the host bytes their
     /// blobs take (`stored_bytes / raw_bytes` is the ratio). Raw backups count in neither.

@@ -211,13 +211,26 @@ pub(super) fn tags_arg(obj: &Bound<'_, PyAny>) -> PyResult<Vec<String>> {
     iter.map(|t| tag_arg(&t?)).collect()
 }
 
+pub(super) fn fault_ops() -> Vec<&'static str> {
+    (Op::ALL.iter().filter(|o| o.fails_its_call()))
+        .map(|o| o.name())
+        .collect()
+}
+
+/// The fault ops whose call succeeds with wrong results instead of failing (`CORRUPTING_FAULT_OPS`).
+pub(super) fn corrupting_fault_ops() -> Vec<&'static str> {
+    (Op::ALL.iter().filter(|o| !o.fails_its_call()))
+        .map(|o| o.name())
+        .collect()
+}
+
 pub(super) fn fault_op(obj: &Bound<'_, PyAny>) -> PyResult<Op> {
     let name = str_arg(obj, "op")?;
     Op::parse(&name).ok_or_else(|| {
         value_error(format!(
             "unknown fault op {name:?}; expected one of {:?} or {:?}",
-            super::fault_ops(),
-            super::corrupting_fault_ops()
+            fault_ops(),
+            corrupting_fault_ops()
         ))
     })
 }
