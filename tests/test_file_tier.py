@@ -238,6 +238,41 @@ def test_a_failed_read_fails_the_wake_and_a_later_wake_succeeds(spilling, error)
         a.free(addr)
 
 
+@pytest.mark.parametrize("op", ["write", "read"])
+def test_backups_back_to_back_in_a_file_share_one_io_per_staging_slot(op, tmp_path):
+    """A sleep writes its file backups back to back in one file; the pipelines fill a slot from as many of them as
+    it holds, so the file sees one I/O per full slot (counted by where an injected fault can still hit), not one
+    more at every backup's end. Three one-granule backups, slots of two granules: two writes and two reads."""
+    g = 64 << 10
+    a = Allocator.simulated(devices=1, capacity=16 << 20, granularity=g)
+    try:
+        a.set_spill_dir(tmp_path)
+        a.set_host_budget(0)
+        a.set_retain_backups(False)
+        a.set_staging_bytes(8 * 2 * g)  # 8 slots of 2 granules
+        xs = [tensor(a, "w", 1) for _ in range(3)]
+
+        def cycle() -> None:
+            a.pause("w")
+            a.resume("w")
+
+        a.inject_spill_fault(op, 3, "eio")  # a third I/O would fail
+        cycle()
+        a.clear_spill_faults()
+        a.inject_spill_fault(op, 2, "eio")  # the second does
+        with pytest.raises(cumem_rs.CumemError):
+            cycle()
+        a.clear_spill_faults()
+        # A failed sleep left each allocation awake or asleep with a whole backup, a failed wake every backup:
+        # a later wake succeeds.
+        a.resume("w")
+        assert not any(r["asleep"] for r in a.allocations())
+        for addr, data in xs:
+            assert a.read(addr, len(data)) == data
+    finally:
+        a.close()
+
+
 def test_close_returns_once_every_spill_file_is_closed(tmp_path):
     """Dropped spill files are closed on the reclaim thread; `close()` waits for it, so a closed allocator holds
     no spill file open (and the file system has their blocks back)."""

@@ -182,6 +182,11 @@ def test_torch_memory_savers_disk_backup_test_in_torch_mode(tmp_path):
         assert os.listdir(tmp_path) == []
         del big, small, none
     finally:
-        cumem.set_spill_dir(None)  # process-wide: leave none to later tests
+        # Process-wide: leave later tests no segment of these tags in torch's cache, no file-tier policy (a pause of
+        # every tag would be refused without a spill directory) and no spill directory.
+        torch.cuda.empty_cache()
+        for inner in saver._tags.get("tms_disk_files", {}).values():
+            cumem.native.set_tag_policy(inner)
+        cumem.set_spill_dir(None)
         cumem.set_staging_bytes(256 * MiB)  # the default, which TMS_DISK_BACKUP_CHUNK_MB changed
         cumem.native.set_keep_host_memory(keep)

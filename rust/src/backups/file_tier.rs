@@ -30,7 +30,7 @@ use std::sync::{Arc, Mutex};
 use std::thread::Scope;
 
 use super::spill_file::{FaultKind, SpillDir, SpillFile, SpillIo, IO_ALIGN};
-use super::spill_reclaim;
+use super::{slot_plan, spill_reclaim};
 use super::{Backup, BackupStore};
 use crate::driver::{DevPtr, Driver};
 use crate::error::{Error, Result};
@@ -190,23 +190,6 @@ pub(super) fn io_len(len: usize) -> usize {
     len.next_multiple_of(IO_ALIGN)
 }
 
-/// (job, offset in the job, length) of every chunk of `sizes`, at most `slot` bytes each.
-pub(super) fn chunks(
-    sizes: impl Iterator<Item = usize>,
-    slot: usize,
-) -> Vec<(usize, usize, usize)> {
-    let mut out = Vec::new();
-    for (j, size) in sizes.enumerate() {
-        let mut at = 0;
-        while at < size {
-            let len = slot.min(size - at);
-            out.push((j, at, len));
-            at += len;
-        }
-    }
-    out
-}
-
 impl FileSleep {
     /// Copy every job device -> ring -> file. `done` gets each job whose bytes are all written, with its backup
     /// (the caller releases the allocation); after the first failure nothing more is handed to `done`, every copy
@@ -330,9 +313,10 @@ struct Piece<'a> {
     offset: u64,
 }
 
-/// The sleep pipeline (see the module comment): every piece device -> ring -> file; `done(i)` once all of piece
-/// `i` is written, never after the first failure (every copy and write in flight is still waited for, and the
-/// failure returned). Ok: the bytes written.
+/// The sleep pipeline (see the module comment): every piece device -> ring -> file, slot by slot (slot_plan.rs:
+/// pieces back to back in a file share a slot's write); `done(i)` once all of piece `i` is written, never after
+/// the first failure (every copy and write in flight is still waited for, and the failure returned). Ok: the
+/// bytes written.
 fn write_pieces(
     driver: &dyn Driver,
     ring: &StagingRing,
@@ -341,21 +325,25 @@ fn write_pieces(
     refused: &mut Option<Error>,
     mut done: impl FnMut(usize),
 ) -> Result<usize> {
-    let chunks = chunks(pieces.iter().map(|p| p.size), ring.slot_size());
-    let mut remaining = vec![0usize; pieces.len()];
-    for c in &chunks {
-        remaining[c.0] += 1;
-    }
+    let items: Vec<slot_plan::Item> = (pieces.iter())
+        .map(|p| slot_plan::Item {
+            key: p.file as *const SpillFile as usize,
+            device: p.device,
+            offset: p.offset,
+            len: p.size,
+        })
+        .collect();
+    let slots = slot_plan::plan(&items, ring.slot_size());
+    let mut remaining = slot_plan::segments_per_item(&slots, pieces.len());
     let work = |(slot, mem, c): (usize, SlotMem, usize)| {
-        let (j, at, len) = chunks[c];
-        let p = &pieces[j];
-        let r = p
+        let s = &slots[c];
+        let r = pieces[s.item()]
             .file
-            .write_all_at(io, mem.bytes(io_len(len)), p.offset + at as u64);
+            .write_all_at(io, mem.bytes(s.len), s.offset);
         (slot, c, r)
     };
-    std::thread::scope(|s| {
-        let mut workers = Workers::start(s, IO_THREADS.min(ring.slots()), &work, driver);
+    std::thread::scope(|scope| {
+        let mut workers = Workers::start(scope, IO_THREADS.min(ring.slots()), &work, driver);
         *refused = workers.refused.take();
         let mut free: Vec<usize> = (0..ring.slots()).rev().collect();
         let mut copying: VecDeque<(usize, usize, i32, u64)> = VecDeque::new();
@@ -365,33 +353,36 @@ fn write_pieces(
                           free: &mut Vec<usize>,
                           failed: &mut Option<Error>| {
             free.push(slot);
-            let (j, _, len) = chunks[c];
             match r {
                 Err(e) => {
                     failed.get_or_insert(e);
                 }
                 Ok(()) => {
-                    written += len;
-                    remaining[j] -= 1;
-                    if remaining[j] == 0 && failed.is_none() {
-                        done(j);
+                    for seg in &slots[c].segments {
+                        written += seg.len;
+                        remaining[seg.item] -= 1;
+                        if remaining[seg.item] == 0 && failed.is_none() {
+                            done(seg.item);
+                        }
                     }
                 }
             }
         };
         loop {
-            while failed.is_none() && next < chunks.len() {
+            while failed.is_none() && next < slots.len() {
                 let Some(slot) = free.pop() else { break };
-                let (j, at, len) = chunks[next];
-                let p = &pieces[j];
-                let queued = ring.queue_from_device(slot, p.device, p.addr + at as u64, len);
-                match queued.and_then(|()| driver.record_marker(p.device)) {
+                let s = &slots[next];
+                let queued = s.segments.iter().try_for_each(|g| {
+                    let p = &pieces[g.item];
+                    ring.queue_from_device(slot, g.slot_off, s.device, p.addr + g.at as u64, g.len)
+                });
+                match queued.and_then(|()| driver.record_marker(s.device)) {
                     Ok(m) => {
-                        copying.push_back((slot, next, p.device, m));
+                        copying.push_back((slot, next, s.device, m));
                         next += 1;
                     }
                     Err(e) => {
-                        let _ = driver.wait(p.device); // a copy queued without a marker behind it
+                        let _ = driver.wait(s.device); // copies queued without a marker behind them
                         free.push(slot);
                         failed = Some(e);
                     }

@@ -2,7 +2,8 @@
 //! several slots in flight while the copies of earlier slots run.
 //!
 //! Steps and what each waits for (one coordinating thread, `IO_THREADS` reader threads):
-//! - every free slot gets a read at once (the readers take them in order; a slot is one chunk of one backup);
+//! - every free slot gets a read at once (the readers take them in order; a slot is one read of the file, of
+//!   one or several backups back to back there: slot_plan.rs);
 //! - the coordinator waits for whichever read finishes first; before the first copy into an allocation it calls
 //!   the caller's `before_copy` (the engine maps the allocation there, so that its maps run while the readers
 //!   read instead of ahead of every read), then queues the slot's copy to the device and a marker behind it,
@@ -18,7 +19,8 @@ use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::Instant;
 
-use super::file_tier::{chunks, io_len, Workers, IO_THREADS};
+use super::file_tier::{Workers, IO_THREADS};
+use super::slot_plan;
 use super::spill_file::SpillIo;
 use super::{Backup, BackupStore};
 use crate::driver::{DevPtr, Driver};
@@ -119,11 +121,22 @@ impl FileRestore {
         mut before_copy: impl FnMut(DevPtr) -> Result<()>,
     ) -> Result<usize> {
         let (ring, io, items) = (&*self.ring, &*self.io, &self.items);
-        let chunks = chunks(items.iter().map(|i| i.2.len()), ring.slot_size());
+        let placed: Vec<slot_plan::Item> = (items.iter())
+            .map(|(device, _, b)| {
+                let (file, offset) = b.file().expect("file backups only");
+                slot_plan::Item {
+                    key: Arc::as_ptr(file) as usize,
+                    device: *device,
+                    offset,
+                    len: b.len(),
+                }
+            })
+            .collect();
+        let chunks = slot_plan::plan(&placed, ring.slot_size());
         let work = |(slot, mut mem, c): (usize, SlotMem, usize)| {
-            let (j, at, len) = chunks[c];
-            let (file, offset) = items[j].2.file().expect("file backups only");
-            let r = file.read_exact_at(io, mem.bytes_mut(io_len(len)), offset + at as u64);
+            let s = &chunks[c];
+            let (file, _) = items[s.item()].2.file().expect("file backups only");
+            let r = file.read_exact_at(io, mem.bytes_mut(s.len), s.offset);
             (slot, c, r)
         };
         let mut reached = vec![false; items.len()];
@@ -166,27 +179,32 @@ impl FileRestore {
                 if let Err(e) = r {
                     failed.get_or_insert(e);
                 }
-                let (j, at, len) = chunks[c];
-                let (device, addr, _) = items[j];
-                if failed.is_none() && !reached[j] {
-                    reached[j] = true;
-                    let t = Instant::now();
-                    if let Err(e) = before_copy(addr) {
-                        failed = Some(e);
+                let s = &chunks[c];
+                for g in &s.segments {
+                    if failed.is_none() && !reached[g.item] {
+                        reached[g.item] = true;
+                        let t = Instant::now();
+                        if let Err(e) = before_copy(items[g.item].1) {
+                            failed = Some(e);
+                        }
+                        times.before_copy_seconds += since(t);
                     }
-                    times.before_copy_seconds += since(t);
                 }
                 if failed.is_some() {
                     free.push(slot);
                     continue;
                 }
                 let t = Instant::now();
-                let queued = ring.queue_to_device(slot, device, addr + at as u64, len);
-                let marked = queued.and_then(|()| driver.record_marker(device));
+                let queued = s.segments.iter().try_for_each(|g| {
+                    let addr = items[g.item].1 + g.at as u64;
+                    ring.queue_to_device(slot, g.slot_off, s.device, addr, g.len)
+                });
+                let marked = queued.and_then(|()| driver.record_marker(s.device));
                 times.copy_seconds += since(t);
+                let device = s.device;
                 match marked {
                     Ok(m) => {
-                        read += len;
+                        read += s.segments.iter().map(|g| g.len).sum::<usize>();
                         copying.push_back((slot, device, m));
                     }
                     Err(e) => {

@@ -22,6 +22,7 @@ mod incompressible;
 mod pin_ahead;
 mod placer;
 mod retain;
+mod slot_plan;
 mod spill_file;
 mod spill_names;
 mod spill_reclaim;

@@ -60,18 +60,33 @@ impl StagingRing {
         self.slots
     }
 
-    /// Queue the copy of `len` device bytes at `src` into slot `i`.
-    pub fn queue_from_device(&self, i: usize, device: i32, src: DevPtr, len: usize) -> Result<()> {
-        assert!(len <= self.slot, "chunk larger than a slot");
+    /// Queue the copy of `len` device bytes at `src` into slot `i`, `at` bytes into it.
+    pub fn queue_from_device(
+        &self,
+        i: usize,
+        at: usize,
+        device: i32,
+        src: DevPtr,
+        len: usize,
+    ) -> Result<()> {
+        assert!(at + len <= self.slot, "chunk past the slot's end");
         self.buf
-            .queue_from_device(device, src, i * self.slot, len)
+            .queue_from_device(device, src, i * self.slot + at, len)
             .map(drop)
     }
 
-    /// Queue the copy of the first `len` bytes of slot `i` to `dst` on `device`.
-    pub fn queue_to_device(&self, i: usize, device: i32, dst: DevPtr, len: usize) -> Result<()> {
-        assert!(len <= self.slot, "chunk larger than a slot");
-        self.buf.queue_to_device(device, dst, i * self.slot, len)
+    /// Queue the copy of `len` bytes of slot `i`, from `at` bytes into it, to `dst` on `device`.
+    pub fn queue_to_device(
+        &self,
+        i: usize,
+        at: usize,
+        device: i32,
+        dst: DevPtr,
+        len: usize,
+    ) -> Result<()> {
+        assert!(at + len <= self.slot, "chunk past the slot's end");
+        self.buf
+            .queue_to_device(device, dst, i * self.slot + at, len)
     }
 
     /// The memory of slot `i`, for the one party that owns the slot now (see the module comment): no copy may be
