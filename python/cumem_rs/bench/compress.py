@@ -143,8 +143,11 @@ def _settings(ctx: Context, core: Any, subject: Any, wbytes: int, h2d: float, d2
         res.bandwidth(f"{key}_wake_at_once", f"wake right after the sleep, {label}", wbytes, med["wake_now_s"],
                       h2d, "host->device copy of the raw bytes")
         held = int(med["held"])
+        stored = int(med["stored"])
         res.value(f"{key}_host_bytes", f"    host memory of the backup while asleep, {label}", held,
-                  f"{held / wbytes:.3f}x of the raw {fmt_bytes(wbytes)}" + t("<= 0.70x"))
+                  f"{held / wbytes:.3f}x of the raw {fmt_bytes(wbytes)}" + t("<= 0.70x")
+                  + f"; of which the backups {stored / wbytes:.3f}x")
+        res.metrics[f"{key}_backup_ratio"] = stored / wbytes
         res.metrics[f"{key}_stored_ratio"] = held / wbytes
         res.metrics[f"{key}_cycles"] = recs
 
@@ -155,15 +158,16 @@ def _cycles(ctx: Context, core: Any, subject: Any, n: int) -> list[dict]:
     wake: Callable[[], Any] = lambda: core.wake_up(None)  # noqa: E731
     recs = []
     for _ in range(n):
-        _, ts = timed(sleep, ctx.sync)
+        rep, ts = timed(sleep, ctx.sync)
         held = core.host_bytes()
+        stored = rep["stored_bytes"] + (rep["copied_bytes"] - rep["raw_bytes"])  # blobs + raw copies
         time.sleep(PAUSE_S if ctx.gpu else 0.0)
         _, tw = timed(wake, ctx.sync)
         subject.verify()
         timed(sleep, ctx.sync)
         _, tw_now = timed(wake, ctx.sync)
         subject.verify()
-        recs.append(dict(sleep_s=ts, wake_s=tw, wake_now_s=tw_now, held=held))
+        recs.append(dict(sleep_s=ts, wake_s=tw, wake_now_s=tw_now, held=held, stored=stored))
     return recs
 
 
