@@ -33,6 +33,11 @@ impl Incompressible {
         }
     }
 
+    /// Whether the next sleep would copy `addr` raw without trying the codec (nothing counted).
+    pub(super) fn would_skip(&self, addr: DevPtr) -> bool {
+        self.skips_left.get(&addr).is_some_and(|n| *n > 0)
+    }
+
     /// What the codec made of `addr`'s fresh backup: every chunk raw, or not.
     pub(super) fn record(&mut self, addr: DevPtr, all_raw: bool) {
         match all_raw {
@@ -59,8 +64,10 @@ mod tests {
         assert!(!inc.skip(0x1000), "unknown: tried");
         inc.record(0x1000, true);
         for _ in 0..RETRY_AFTER {
+            assert!(inc.would_skip(0x1000));
             assert!(inc.skip(0x1000));
         }
+        assert!(!inc.would_skip(0x1000), "the next sleep retries it");
         assert!(!inc.skip(0x1000), "the retry");
         inc.record(0x1000, false);
         assert!(!inc.skip(0x1000), "it compressed: tried every time");

@@ -11,6 +11,7 @@
 
 use super::BackupStore;
 use crate::error::{Error, Result};
+use crate::error_log::ErrorLog;
 use crate::host::HostBuffer;
 
 /// Largest range the codec is given (`DeviceCodec::compress_to_host`'s promise): no blob is larger.
@@ -42,6 +43,9 @@ const GROW_SLACK: usize = 4 * MAX_RANGE;
 /// A cached arena is taken when it is at most this much larger than what the placer asks for; a larger one is
 /// returned to the OS first (holding it beside a new arena would double the RAM, using it would hold its size).
 const CACHED_SLACK: f64 = 1.06;
+
+/// Context of a failure to pin the buffer a sleep's last blob arena was to move into (it stayed as it was).
+const FINISH_KEPT: &str = "moving a blob arena into one of its used size (it was kept as it is)";
 
 /// Hands out blob places back to back in arenas it takes as needed (see the module notes).
 pub(super) struct Placer<'s> {
@@ -261,8 +265,9 @@ fn holds_blobs(b: &HostBuffer) -> bool {
 
 impl Placer<'_> {
     /// The arenas, the last one moved into a buffer of the bytes it uses when more than an eighth of it is
-    /// unused (host bytes held = stored bytes, within that slack). A failure keeps it as it is.
-    pub(super) fn finish(mut self) -> Vec<HostBuffer> {
+    /// unused (host bytes held = stored bytes, within that slack). A failure to pin that buffer keeps the arena
+    /// as it is, and a failure to return the old one leaves it to the pool; both are recorded in `log`.
+    pub(super) fn finish(mut self, log: &mut ErrorLog) -> Vec<HostBuffer> {
         let Some(last) = self.arenas.last() else {
             return self.arenas;
         };
@@ -275,12 +280,18 @@ impl Placer<'_> {
         if used == 0 || used > MAX_ARENA || len - used <= len / 8 {
             return self.arenas;
         }
-        let Ok(mut exact) = self.store.host.pin_new(used) else {
-            return self.arenas;
+        let mut exact = match self.store.host.pin_new(used) {
+            Ok(b) => b,
+            Err(e) => {
+                log.record(FINISH_KEPT, &e);
+                return self.arenas;
+            }
         };
         let old = self.arenas.pop().expect("checked");
         exact.copy_from(0, &old, 0, used); // no device copy touches either: the codec has returned
-        let _ = self.store.host.give_back(old);
+        if let Err(e) = self.store.host.give_back(old) {
+            log.record("returning host backup memory", &e);
+        }
         self.arenas.push(exact);
         self.arenas
     }

@@ -178,7 +178,11 @@ impl Engine {
                 && inner.policies.backup_tier(&a.tag) != BackupTier::File
                 && !inner.backups.is_retained(a.addr)
             {
-                if compressing && inner.policies.compress_kind(&a.tag).is_some() {
+                // One the codec could not shrink goes raw (incompressible.rs).
+                if compressing
+                    && inner.policies.compress_kind(&a.tag).is_some()
+                    && !inner.backups.would_skip_codec(a.addr)
+                {
                     packed += a.size;
                 } else {
                     raw += a.size;
