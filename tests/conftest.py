@@ -141,3 +141,26 @@ def live_counts(a: Allocator) -> dict:
 def call_counts(a: Allocator) -> dict[str, int]:
     """How often each driver operation (FAULT_OPS names) was called so far."""
     return dict(a.driver_counts()["calls"])
+
+
+def fd_target(fd: str) -> str:
+    """Where this process's open file descriptor `fd` points ("" once it closed)."""
+    try:
+        return os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:
+        return ""
+
+
+def spill_files(a: Allocator, directory) -> tuple[int, int]:
+    """(count, disk bytes of allocated blocks) of this process's open spill files in `directory`, once `a`'s
+    reclaim of the files closed and holes given back so far has settled."""
+    a.settle_spill_files()
+    count = total = 0
+    for fd in os.listdir("/proc/self/fd"):
+        if fd_target(fd).startswith(str(directory) + "/"):
+            try:
+                total += os.stat(f"/proc/self/fd/{fd}").st_blocks * 512
+            except OSError:
+                continue
+            count += 1
+    return count, total

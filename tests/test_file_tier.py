@@ -15,7 +15,7 @@ from hypothesis.stateful import invariant, run_state_machine_as_test
 
 import cumem_rs
 from cumem_rs import Allocator
-from conftest import BACKENDS, STATEFUL_SETTINGS
+from conftest import BACKENDS, STATEFUL_SETTINGS, fd_target, spill_files
 
 
 def tensor(a: Allocator, tag: str, granules: int) -> tuple[int, bytes]:
@@ -282,11 +282,11 @@ def test_close_returns_once_every_spill_file_is_closed(tmp_path):
     for tag in ("x", "y"):
         tensor(a, tag, 2)
     a.pause(["x", "y"])
-    assert _spill_files(a, str(tmp_path))[0] >= 1
+    assert spill_files(a, str(tmp_path))[0] >= 1
     a.resume("x")
     a.close()
     count = sum(
-        1 for fd in os.listdir("/proc/self/fd") if _fd_target(fd).startswith(str(tmp_path) + "/")
+        1 for fd in os.listdir("/proc/self/fd") if fd_target(fd).startswith(str(tmp_path) + "/")
     )
     assert count == 0, "a spill file is still open after close"
 
@@ -295,7 +295,6 @@ def test_the_disk_blocks_of_a_woken_or_freed_file_backup_go_back_once_the_reclai
     """Backups of one sleep share a file; a wake (without retention) or a free of some of them hands their disk
     blocks back (punched, merged, on the reclaim thread: free once `settle_spill_files` returns), while the others
     keep theirs and their bytes."""
-    from test_file_tier_defects import spill_disk_bytes
 
     g = a.granularity(0)
     a.set_retain_backups(False)
@@ -307,13 +306,13 @@ def test_the_disk_blocks_of_a_woken_or_freed_file_backup_go_back_once_the_reclai
             tensors[tag] = tensor(a, tag, n)
         a.pause(list(tensors))
         assert a.stats()["file_tier_bytes"] == 4 * g
-        assert 4 * g <= spill_disk_bytes(a, tmp_path) <= 4 * g + (64 << 10)
+        assert 4 * g <= spill_files(a, tmp_path)[1] <= 4 * g + (64 << 10)
         a.resume("d1")
-        assert spill_disk_bytes(a, tmp_path) <= 2 * g + (64 << 10), "d1's blocks went back"
+        assert spill_files(a, tmp_path)[1] <= 2 * g + (64 << 10), "d1's blocks went back"
         a.free(tensors.pop("d0")[0])
-        assert spill_disk_bytes(a, tmp_path) <= g + (64 << 10), "d0's blocks went back"
+        assert spill_files(a, tmp_path)[1] <= g + (64 << 10), "d0's blocks went back"
         a.resume(list(tensors))
-        assert spill_disk_bytes(a, tmp_path) == 0, "the last backup went: the file closed"
+        assert spill_files(a, tmp_path)[1] == 0, "the last backup went: the file closed"
         for addr, data in tensors.values():
             assert a.read(addr, len(data)) == data
     finally:
@@ -503,27 +502,6 @@ class _StatusAs:
         return getattr(self._a, name)
 
 
-def _fd_target(fd: str) -> str:
-    try:
-        return os.readlink(f"/proc/self/fd/{fd}")
-    except OSError:
-        return ""
-
-
-def _spill_files(a: Allocator, directory: str) -> tuple[int, int]:
-    """(count, disk bytes) of this process's open spill files in `directory`, once `a`'s reclaim settled."""
-    a.settle_spill_files()
-    count = total = 0
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            if os.readlink(f"/proc/self/fd/{fd}").startswith(directory + "/"):
-                count += 1
-                total += os.stat(f"/proc/self/fd/{fd}").st_blocks * 512
-        except OSError:
-            continue
-    return count, total
-
-
 class Spilling:
     """Mixin for the allocator's state machines: a host budget of two granules and a spill directory, so that most
     backups go to files (and some to host memory) and every sleep, wake, pause, resume, free and discard runs
@@ -551,7 +529,7 @@ class Spilling:
         """The spill files hold disk only for backups still referenced (asleep in files, or retained, which may
         be in files), each rounded to whole blocks, plus a little file system metadata per file: a backup woken,
         freed or dropped, and what a failed sleep wrote for allocations that stayed awake, gave its blocks back."""
-        files, disk = _spill_files(self.a, self.spill)
+        files, disk = spill_files(self.a, self.spill)
         referenced = self.a.stats()["file_tier_bytes"]
         referenced += sum(t["retained_bytes"] for t in self.a.status()["tags"].values())
         slack = 4096 * len(self.a.allocations()) + (64 << 10) * files

@@ -6,28 +6,13 @@ fixed now. None of them lost or corrupted data: they were about the budget, disk
 
 from __future__ import annotations
 
-import os
 
 import pytest
 
 import cumem_rs
 from cumem_rs import Allocator
+from conftest import spill_files
 from test_file_tier import tensor
-
-
-def spill_disk_bytes(a, directory) -> int:
-    """Disk bytes (allocated blocks) of this process's open spill files in `directory`, once `a`'s reclaim of the
-    files and holes given back so far has settled."""
-    a.settle_spill_files()
-    total = 0
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            target = os.readlink(f"/proc/self/fd/{fd}")
-            if target.startswith(str(directory)):
-                total += os.stat(f"/proc/self/fd/{fd}").st_blocks * 512
-        except OSError:
-            continue
-    return total
 
 
 @pytest.fixture
@@ -117,8 +102,8 @@ def test_failed_sleep_leaves_disk_blocks_of_awake_allocations_in_the_spill_file(
     backups sharing the file go."""
     g = a.granularity(0)
     _failed_sleep_half_written(a, tmp_path)
-    assert spill_disk_bytes(a, tmp_path) <= g, (
-        f"spill file holds {spill_disk_bytes(a, tmp_path)} bytes of disk for {g} bytes of backups"
+    assert spill_files(a, tmp_path)[1] <= g, (
+        f"spill file holds {spill_files(a, tmp_path)[1]} bytes of disk for {g} bytes of backups"
     )
 
 
@@ -134,8 +119,8 @@ def test_failed_sleep_leaked_disk_blocks_grow_with_each_retry(a, tmp_path):
     asleep = [r["asleep"] for r in sorted(a.allocations(), key=lambda r: r["address"])]
     assert asleep == [True, True, False], asleep
     assert a.stats()["file_tier_bytes"] == 2 * g
-    assert spill_disk_bytes(a, tmp_path) <= 2 * g, (
-        f"spill files hold {spill_disk_bytes(a, tmp_path)} bytes of disk for {2 * g} bytes of backups"
+    assert spill_files(a, tmp_path)[1] <= 2 * g, (
+        f"spill files hold {spill_files(a, tmp_path)[1]} bytes of disk for {2 * g} bytes of backups"
     )
     a.wake_up(None)
     for addr, data in xs:
@@ -197,8 +182,8 @@ def test_a_relative_spill_dir_follows_the_current_directory(a, tmp_path, monkeyp
     addr, data = tensor(a, "w", 1)
     monkeypatch.chdir(tmp_path / "second")
     a.sleep("w")
-    assert spill_disk_bytes(a, tmp_path / "second") == 0, "the spill file went to the directory never validated"
-    assert spill_disk_bytes(a, tmp_path / "first" / "rel") > 0
+    assert spill_files(a, tmp_path / "second")[1] == 0, "the spill file went to the directory never validated"
+    assert spill_files(a, tmp_path / "first" / "rel")[1] > 0
     a.wake_up(None)
     assert a.read(addr, len(data)) == data
 

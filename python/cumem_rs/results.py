@@ -99,8 +99,10 @@ class Stats(TypedDict):
     #: Bytes of the backups of asleep allocations per tier (raw: the allocations' bytes).
     host_tier_bytes: int
     file_tier_bytes: int
-    #: Host bytes the host tier's backups take as stored (compressed ones count their blobs; files are raw).
+    #: Host bytes the host tier's backups take as stored (compressed ones count their blobs).
     host_tier_stored_bytes: int
+    #: File bytes the file tier's backups take (compressed ones count their blobs, padded to I/O blocks).
+    file_tier_stored_bytes: int
     #: The compressed backups of asleep allocations: host bytes, raw bytes, their ratio (1.0 with none).
     compressed_bytes: int
     compressed_raw_bytes: int

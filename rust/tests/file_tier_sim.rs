@@ -403,11 +403,15 @@ fn with_a_spill_dir_auto_parks_more_than_the_host_can_pin() {
 }
 
 /// Chunk prints smaller than an I/O block: a change of a few bytes rewrites its whole 4 KiB block from the
-/// device (the unchanged chunks around it included), never a partial block of stale ring bytes.
+/// device (the unchanged chunks around it included), never a partial block of stale ring bytes. (Raw backups:
+/// a compressed file backup is written afresh when anything in it changed.)
 #[test]
 fn a_retained_file_backup_rewrites_whole_blocks_around_small_changed_chunks() {
     let dir = TempDir::new("small-chunks");
-    let (sim, e) = spilling(&dir, 0);
+    let (sim, e) = raw_engine(1, 32 << 20);
+    e.set_host_budget(Some(0)).unwrap();
+    e.set_spill_dir(Some(&dir.0)).unwrap();
+    e.set_staging_bytes(8 * 4096).unwrap();
     let policy = cumem_rs::TagPolicy {
         backup_tier: cumem_rs::backups::BackupTier::File,
         ..Default::default()

@@ -12,6 +12,10 @@ writes every byte:
 - the issue's reference case: the weights under "auto" with a 4 GiB host budget (scaled with --scale), 3 cycles
   (or --cycles when more), the rest in files: the same ratios, the host memory held, and the weights
   bit-identical after every wake.
+Those rows write raw bytes (`compress="off"`: they measure the disk path). Last, the weights refilled as bf16
+(`normal_() * 0.02`) with `backup_tier="file"` and compression on: the codec's blobs go to the file, so sleep and
+wake move the raw bytes faster than the disk moves its own (ratios of raw bytes per second to the file system's
+rate; above 1 is past the disk), with the bytes on disk against the raw bytes.
 The staging ring is the default 256 MiB, scaled down with --scale on the simulated device. `--spill-dir` picks
 the directory (default: a fresh temporary one, removed afterwards).
 """
@@ -26,6 +30,7 @@ from typing import Any, Callable, Optional
 
 from ..workload import WEIGHTS_TAG, MiB, VerificationError, reference_workload, sim_granularity, total_bytes
 from .common import Context, fmt_bytes, retain_default, say, timed
+from .compress_data import fill_tensors, sim_bytes
 from .fs_rate import IO_ALIGN, FsRate, measure
 from .retained import GPU_CHUNK, rewrite_cycles
 from .subjects import CoreTensors, SimSubject, TensorSubject, sim_allocator
@@ -83,7 +88,13 @@ def _run(ctx: Context, directory: str) -> None:
             views.fill(WEIGHTS_TAG)
             subject = TensorSubject(views)
             subject.remember()
-            _tables(ctx, core, subject, directory, wbytes, staging)
+
+            def refill_bf16() -> None:
+                fill_tensors(ctx.torch, [t for s, t in zip(views.specs, views.tensors) if s.tag == WEIGHTS_TAG],
+                             "bf16")
+                subject.remember()
+
+            _tables(ctx, core, subject, directory, wbytes, staging, refill_bf16)
         finally:
             _reset(core)
             views.release()
@@ -93,7 +104,8 @@ def _run(ctx: Context, directory: str) -> None:
     try:
         subject = SimSubject(alloc, specs)
         subject.allocate()
-        _tables(ctx, alloc, subject, directory, wbytes, staging)
+        _tables(ctx, alloc, subject, directory, wbytes, staging,
+                lambda: subject.overwrite(lambda n, i: sim_bytes("bf16", n, i)))
         subject.release()
         ctx.add_errors(alloc.errors())
     finally:
@@ -111,7 +123,8 @@ def _reset(core: Any) -> None:
     core.trim_host()
 
 
-def _tables(ctx: Context, core: Any, subject: Any, directory: str, wbytes: int, staging: int) -> None:
+def _tables(ctx: Context, core: Any, subject: Any, directory: str, wbytes: int, staging: int,
+            refill_bf16: Callable[[], None]) -> None:
     res = ctx.res
     core.set_retain_backups(False)  # every sleep writes every byte: the rate rows measure the disk path
     core.set_staging_bytes(staging)
@@ -127,19 +140,60 @@ def _tables(ctx: Context, core: Any, subject: Any, directory: str, wbytes: int, 
     res.metrics["file_tier_staging_bytes"] = staging
 
     n = max(1, ctx.cycles)
-    core.set_tag_policy(WEIGHTS_TAG, backup_tier="file")
+    core.set_tag_policy(WEIGHTS_TAG, backup_tier="file", compress="off")
     core.set_host_budget(0)
     _cycles(ctx, core, subject, "file_tier_file", f"tier \"file\", budget 0 (median of {n})", n,
             rate, wbytes, staging, 0)
     _retained(ctx, core, subject, rate, wbytes)
-    core.set_tag_policy(WEIGHTS_TAG, backup_tier="auto")
+    core.set_tag_policy(WEIGHTS_TAG, backup_tier="auto", compress="off")
     budget = min(wbytes, max(0, REFERENCE_BUDGET // ctx.scale // IO_ALIGN * IO_ALIGN))
     core.set_host_budget(budget)
     m = max(REFERENCE_CYCLES, ctx.cycles)
     _cycles(ctx, core, subject, "file_tier_auto",
             f"\"auto\", budget {fmt_bytes(budget)} (4 GiB at scale 1; median of {m})", m, rate,
             wbytes - budget, staging, budget)
+    core.set_host_budget(0)
+    _compressed(ctx, core, subject, rate, wbytes, refill_bf16)
     _reset(core)
+
+
+def _compressed(ctx: Context, core: Any, subject: Any, rate: FsRate, wbytes: int,
+                refill_bf16: Callable[[], None]) -> None:
+    """bf16 weights to the file tier compressed (tier "file", budget 0, retained backups off): raw bytes per second
+    of sleep and wake against the file system's write and read rate, and the bytes on disk."""
+    res = ctx.res
+    if core.stats()["codec"] is None:
+        res.skipped("file tier, compressed", "no codec (nvCOMP not found, or CUMEM_RS_COMPRESS=0)")
+        return
+    refill_bf16()
+    core.set_tag_policy(WEIGHTS_TAG, backup_tier="file", compress="auto")
+    n = max(1, ctx.cycles)
+    recs: list[dict] = []
+    for _ in range(n):
+        rep, ts = timed(lambda: core.sleep(WEIGHTS_TAG), ctx.sync)
+        st = core.stats()
+        woke, tw = timed(lambda: core.wake_up(None), ctx.sync)
+        subject.verify()
+        core.settle_spill_files()
+        recs.append(dict(sleep_s=ts, wake_s=tw, written=rep["written_bytes"], read=woke["read_bytes"],
+                         raw=rep["raw_bytes"], on_disk=st["file_tier_stored_bytes"], report=rep, wake=woke))
+    med = {k: statistics.median(r[k] for r in recs) for k in ("sleep_s", "wake_s", "written", "read", "raw",
+                                                                  "on_disk")}
+    if med["raw"] < wbytes:
+        raise VerificationError(f"file tier, compressed: {med['raw']} of {wbytes} bytes went through the codec")
+    t = " (above 1: past the disk)" if ctx.gpu else ""
+    disk = med["on_disk"] / wbytes
+    res.bandwidth("file_tier_compressed_sleep", f"sleep, tier \"file\", bf16 compressed (median of {n})", wbytes,
+                  med["sleep_s"], rate.write_gbps,
+                  f"file system write rate{t}; raw bytes; wrote {fmt_bytes(int(med['written']))}")
+    res.bandwidth("file_tier_compressed_wake", f"wake, tier \"file\", bf16 compressed (median of {n})", wbytes,
+                  med["wake_s"], rate.read_gbps,
+                  f"file system read rate{t}; raw bytes; read {fmt_bytes(int(med['read']))}")
+    res.value("file_tier_compressed_disk_bytes", "    bytes on disk while asleep", int(med["on_disk"]),
+              f"{disk:.3f}x of the raw bytes")
+    res.metrics["file_tier_compressed_disk_ratio"] = disk
+    res.metrics["file_tier_compressed_cycles"] = recs
+    say(f"file tier, compressed: {n} cycles verified bit-identical, {disk:.3f}x of the raw bytes on disk")
 
 
 def _cycles(ctx: Context, core: Any, subject: Any, key: str, label: str, n: int, rate: FsRate, on_disk: int,

@@ -13,8 +13,8 @@
 //! mismatch fails the wake (naming the allocation); the blobs are never changed, so a later wake can succeed.
 //!
 //! Chunks are the fingerprint chunk (2 MiB by default): the codec takes ranges of at most `MAX_RANGE`, so a
-//! larger fingerprint chunk turns compression off (backups are raw). The file tier stores raw bytes: a backup
-//! that goes to a spill file is never compressed.
+//! larger fingerprint chunk turns compression off (backups are raw). A backup that goes to a spill file is
+//! compressed by the file tier's own pipeline (file_packed.rs), through its staging ring.
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
@@ -164,6 +164,11 @@ impl BackupStore {
         self.incompressible.skip(addr)
     }
 
+    /// What the codec made of `addr`'s fresh backup in a file (file_packed.rs): every chunk raw, or not.
+    pub fn note_codec_result(&mut self, addr: DevPtr, all_raw: bool) {
+        self.incompressible.record(addr, all_raw);
+    }
+
     /// Whether the next sleep would copy `addr` raw without trying the codec (nothing counted).
     pub fn would_skip_codec(&self, addr: DevPtr) -> bool {
         self.incompressible.would_skip(addr)
@@ -302,8 +307,7 @@ impl BackupStore {
             "compressed sleep: prints {prints_ms:.1} ms, finish arenas {:.1} ms",
             t.elapsed().as_secs_f64() * 1e3
         );
-        let host_decode: Option<HostDecode> =
-            (self.driver.backend() == "sim").then_some(crate::driver::sim_codec::decode);
+        let host_decode = self.host_decode();
         let (mut guess_raw, mut guess_stored) = (0usize, 0usize);
         for (n, (addr, _, size, kind, old)) in all.into_iter().enumerate() {
             let blobs: Vec<Blob> = (0..size.div_ceil(chunk))
@@ -382,7 +386,13 @@ impl BackupStore {
         Ok(prints)
     }
 
-    /// Whether `addr` is asleep with a compressed backup (a wake may map it while earlier ones are restored).
+    /// The host decoder of this driver's blobs, where its format allows one (the simulated driver's).
+    pub(super) fn host_decode(&self) -> Option<HostDecode> {
+        (self.driver.backend() == "sim").then_some(crate::driver::sim_codec::decode)
+    }
+
+    /// Whether `addr` is asleep with a compressed backup in host memory (a wake may map it while earlier ones are
+    /// restored; one in a file is restored with the file tier, mapped before).
     pub fn has_packed_backup(&self, addr: DevPtr) -> bool {
         self.asleep.get(&addr).and_then(Backup::packed).is_some()
     }
@@ -584,7 +594,7 @@ impl BackupStore {
 }
 
 /// `e` with `context` added to its message, its kind (and a driver error's op and code) kept.
-fn naming(e: Error, context: String) -> Error {
+pub(super) fn naming(e: Error, context: String) -> Error {
     match e {
         Error::Driver { op, code, name } => Error::Driver {
             op,
@@ -599,7 +609,7 @@ fn naming(e: Error, context: String) -> Error {
 }
 
 /// Fingerprints of `ranges` on `device`: queued, waited for, taken.
-fn take_prints(
+pub(super) fn take_prints(
     driver: &dyn Driver,
     device: i32,
     ranges: &[(DevPtr, usize)],

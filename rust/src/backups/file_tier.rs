@@ -1,6 +1,8 @@
 //! The file tier: backups past the host budget (or of tags whose policy says "file") go to an unlinked file in
 //! the spill directory through the bounded staging ring (staging.rs), never through a full-size pinned copy. In
 //! named mode (spill_file.rs) each backup goes to a named file of its own instead, through the same pipelines.
+//! Allocations of tags that compress go through the codec on their way (file_packed.rs): the file then holds
+//! the blobs.
 //!
 //! Which tier ("auto", the default): host memory while the budget (and the host RAM guard, pin_ahead.rs) has
 //! room, in the order the sleep walks the allocations (address order), and files for the rest. Host first
@@ -25,13 +27,14 @@
 
 use std::collections::VecDeque;
 use std::path::{Path, PathBuf};
-use std::sync::mpsc::{channel, Receiver, Sender};
-use std::sync::{Arc, Mutex};
-use std::thread::Scope;
+use std::sync::Arc;
 
+use super::file_packed::{write_packed, FileCodec, PackedJob};
+use super::io_workers::{io_len, Workers, IO_THREADS};
 use super::spill_file::{FaultKind, SpillDir, SpillFile, SpillIo, IO_ALIGN};
 use super::{slot_plan, spill_reclaim};
 use super::{Backup, BackupStore};
+use crate::driver::codec::DataKind;
 use crate::driver::{DevPtr, Driver};
 use crate::error::{Error, Result};
 use crate::error_log::ErrorLog;
@@ -80,6 +83,9 @@ pub struct FileJob {
     pub addr: DevPtr,
     pub size: usize,
     pub offset: u64,
+    /// Compressed as this kind of data (file_packed.rs), where the sleep's codec allows it (`FileSleep::compresses`);
+    /// None: raw bytes. The engine sets it from the tag's policy.
+    pub kind: Option<DataKind>,
 }
 
 /// A sleep's file-tier work, planned (space checked, file created, ring pinned) before anything is released.
@@ -89,135 +95,108 @@ pub struct FileSleep {
     ring: Arc<StagingRing>,
     io: Arc<dyn SpillIo>,
     pub jobs: Vec<FileJob>,
-}
-
-/// Writer or reader threads doing a pipeline's file I/O; on the calling thread when none can be started.
-pub(super) struct Workers<T, R> {
-    tx: Option<Sender<T>>,
-    rx: Receiver<R>,
-    threads: usize,
-    /// Why fewer threads than asked for started (the work then runs on fewer, or on the calling thread).
-    pub(super) refused: Option<Error>,
-    /// Results of work done on the calling thread.
-    ready: VecDeque<R>,
-}
-
-impl<T: Send, R: Send> Workers<T, R> {
-    pub(super) fn start<'s, 'e: 's, W>(
-        s: &'s Scope<'s, 'e>,
-        n: usize,
-        work: &'e W,
-        driver: &dyn Driver,
-    ) -> Self
-    where
-        W: Fn(T) -> R + Sync,
-        T: 's,
-        R: 's,
-    {
-        let (tx, task_rx) = channel::<T>();
-        let (res_tx, rx) = channel::<R>();
-        let task_rx = Arc::new(Mutex::new(task_rx));
-        let (mut threads, mut refused) = (0, None);
-        for i in 0..n {
-            if let Err(e) = driver.thread_spawn() {
-                refused = Some(e);
-                break;
-            }
-            let (task_rx, res_tx) = (task_rx.clone(), res_tx.clone());
-            let body = move || loop {
-                let task = task_rx.lock().unwrap_or_else(|p| p.into_inner()).recv();
-                let Ok(task) = task else { break };
-                if res_tx.send(work(task)).is_err() {
-                    break;
-                }
-            };
-            match std::thread::Builder::new()
-                .name(format!("cumem-spill-io-{i}"))
-                .spawn_scoped(s, body)
-            {
-                Ok(_) => threads += 1,
-                Err(e) => {
-                    refused = Some(Error::InvalidState(format!(
-                        "thread_spawn: the OS refused a new thread: {e}"
-                    )));
-                    break;
-                }
-            }
-        }
-        Workers {
-            tx: Some(tx),
-            rx,
-            threads,
-            refused,
-            ready: VecDeque::new(),
-        }
-    }
-
-    pub(super) fn submit(&mut self, task: T, work: &impl Fn(T) -> R) {
-        if self.threads == 0 {
-            self.ready.push_back(work(task));
-        } else if let Err(e) = self.tx.as_ref().expect("open").send(task) {
-            self.ready.push_back(work(e.0)); // no worker left: do it here
-        }
-    }
-
-    /// A finished task's result: waiting for one when `block`.
-    pub(super) fn next(&mut self, block: bool) -> Option<R> {
-        if let Some(r) = self.ready.pop_front() {
-            return Some(r);
-        }
-        if self.threads == 0 {
-            return None;
-        }
-        if block {
-            self.rx.recv().ok()
-        } else {
-            self.rx.try_recv().ok()
-        }
-    }
-}
-
-impl<T, R> Drop for Workers<T, R> {
-    fn drop(&mut self) {
-        self.tx.take(); // the workers' channel closes: they return and the scope joins them
-    }
-}
-
-/// I/O threads per pipeline.
-pub(super) const IO_THREADS: usize = 4;
-
-pub(super) fn io_len(len: usize) -> usize {
-    len.next_multiple_of(IO_ALIGN)
+    /// The codec of compressed jobs: None when the store does not compress (no codec, compression off, a
+    /// fingerprint chunk the codec or a staging slot cannot take).
+    codec: Option<FileCodec>,
 }
 
 impl FileSleep {
-    /// Copy every job device -> ring -> file. `done` gets each job whose bytes are all written, with its backup
-    /// (the caller releases the allocation); after the first failure nothing more is handed to `done`, every copy
-    /// and write in flight is waited for, the blocks already written for the jobs not handed over are given back
-    /// (their allocations stay awake), and the failure is returned. Ok: the bytes written. A writer thread that
-    /// could not start goes to `refused` (its work ran on the others, or on this thread).
+    /// Job `j`'s raw write.
+    fn piece(&self, j: usize) -> Piece<'_> {
+        let job = &self.jobs[j];
+        Piece {
+            file: &self.files[j],
+            device: job.device,
+            addr: job.addr,
+            size: job.size,
+            offset: job.offset,
+        }
+    }
+
+    /// Whether jobs given a `kind` are compressed (else every job is written raw, whatever its kind).
+    pub fn compresses(&self) -> bool {
+        self.codec.is_some()
+    }
+
+    /// Copy every job device -> ring -> file (compressed ones through the codec: file_packed.rs). `done` gets each
+    /// job whose bytes are all written, with its backup (the caller releases the allocation); after the first
+    /// failure nothing more is handed to `done`, every copy and write in flight is waited for, the blocks already
+    /// written for the jobs not handed over are given back (their allocations stay awake), and the failure is
+    /// returned. Ok: the bytes written. A writer thread that could not start goes to `refused` (its work ran on
+    /// the others, or on this thread). A failure of the codec (or of its prints) is no failure of the sleep: the
+    /// compressed jobs not yet handed over are written raw, and the codec's error goes to `fell_back`.
     pub fn write_out(
         &self,
         driver: &dyn Driver,
         refused: &mut Option<Error>,
+        fell_back: &mut Option<Error>,
         mut done: impl FnMut(&FileJob, Backup),
     ) -> Result<usize> {
-        let pieces: Vec<Piece> = (self.jobs.iter())
-            .zip(&self.files)
-            .map(|(j, file)| Piece {
-                file,
-                device: j.device,
-                addr: j.addr,
-                size: j.size,
-                offset: j.offset,
-            })
-            .collect();
+        let packed_of = |j: &FileJob| j.kind.filter(|_| self.codec.is_some());
+        let (raw, packed): (Vec<usize>, Vec<usize>) =
+            (0..self.jobs.len()).partition(|&j| packed_of(&self.jobs[j]).is_none());
+        let pieces: Vec<Piece> = raw.iter().map(|&j| self.piece(j)).collect();
         let mut handed = vec![false; self.jobs.len()];
-        let written = write_pieces(driver, &self.ring, &*self.io, &pieces, refused, |j| {
+        let mut written = write_pieces(driver, &self.ring, &*self.io, &pieces, refused, |p| {
+            let j = raw[p];
             handed[j] = true;
             let job = &self.jobs[j];
             done(job, Backup::in_file(&self.files[j], job.offset, job.size))
         });
+        if let (Ok(raw_written), Some(codec)) =
+            (&written, self.codec.filter(|_| !packed.is_empty()))
+        {
+            let jobs: Vec<PackedJob> = (packed.iter())
+                .map(|&j| {
+                    let job = &self.jobs[j];
+                    PackedJob {
+                        file: &self.files[j],
+                        device: job.device,
+                        addr: job.addr,
+                        size: job.size,
+                        offset: job.offset,
+                        kind: packed_of(job).expect("partitioned on it"),
+                    }
+                })
+                .collect();
+            let (mut also_refused, mut codec_failed) = (None, false);
+            let raw_written = *raw_written;
+            let packed_written = write_packed(
+                driver,
+                (&self.ring, &*self.io),
+                &jobs,
+                codec,
+                &mut also_refused,
+                &mut codec_failed,
+                |p, b| {
+                    let j = packed[p];
+                    handed[j] = true;
+                    done(&self.jobs[j], b)
+                },
+            );
+            if refused.is_none() {
+                *refused = also_refused;
+            }
+            written = match packed_written {
+                Ok(n) => Ok(raw_written + n),
+                Err(e) if codec_failed => {
+                    // Their reserved blocks take the raw bytes (the compressed frames written there are
+                    // overwritten).
+                    *fell_back = Some(e);
+                    let rest: Vec<usize> = packed.iter().copied().filter(|&j| !handed[j]).collect();
+                    let pieces: Vec<Piece> = rest.iter().map(|&j| self.piece(j)).collect();
+                    let mut again = None;
+                    let r = write_pieces(driver, &self.ring, &*self.io, &pieces, &mut again, |p| {
+                        let j = rest[p];
+                        handed[j] = true;
+                        let job = &self.jobs[j];
+                        done(job, Backup::in_file(&self.files[j], job.offset, job.size))
+                    });
+                    r.map(|n| raw_written + n)
+                }
+                Err(e) => Err(e),
+            };
+        }
         // No backup (`FileRegion`) holds the blocks of a job not handed over, and no write is in flight any more:
         // released (punched at the end of the sleep), or they would stay on disk as long as a backup that did go
         // to sleep keeps the file open. (A named file of its own goes, name and all, when this plan drops.)
@@ -261,8 +240,9 @@ impl FileRewrites {
     ) -> Result<usize> {
         let items = self.items;
         let mut pieces = Vec::new();
-        for it in &items {
-            let (file, base) = it.backup.file().expect("file backups only (retain.rs)");
+        // Those without changed runs (a compressed one among them, file_packed.rs) are kept as they are.
+        for it in items.iter().filter(|it| !it.runs.is_empty()) {
+            let (file, base) = it.backup.file().expect("raw file backups only (retain.rs)");
             for &(off, len) in &it.runs {
                 pieces.push(Piece {
                     file,
@@ -464,6 +444,11 @@ impl BackupStore {
         self.file_bytes
     }
 
+    /// Bytes of the file blocks those backups take (less where they are compressed: file_packed.rs).
+    pub fn file_stored_bytes(&self) -> usize {
+        self.file_stored
+    }
+
     /// Punch the ranges of spill files that no backup holds any more (see `SpillFile::release`), on the reclaim
     /// thread (spill_reclaim.rs: the file system frees the blocks as it punches, as slowly as at a close); forget
     /// the files that closed.
@@ -565,6 +550,7 @@ impl BackupStore {
                     addr,
                     size,
                     offset: if dir.named() { 0 } else { offset },
+                    kind: None,
                 };
                 offset += io_len(size) as u64;
                 j
@@ -588,6 +574,11 @@ impl BackupStore {
             vec![file; jobs.len()]
         };
         let ring = self.ring(log)?;
+        let chunk = self.retention.chunk;
+        let codec = (self.compressing() && chunk <= ring.slot_size()).then(|| FileCodec {
+            chunk,
+            host_decode: self.host_decode(),
+        });
         Ok((
             host,
             Some(FileSleep {
@@ -595,6 +586,7 @@ impl BackupStore {
                 ring,
                 io: self.io.clone(),
                 jobs,
+                codec,
             }),
         ))
     }

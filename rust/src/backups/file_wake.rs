@@ -19,7 +19,8 @@ use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::Instant;
 
-use super::file_tier::{Workers, IO_THREADS};
+use super::file_packed::{restore_packed_files, FilePacked};
+use super::io_workers::{Workers, IO_THREADS};
 use super::slot_plan;
 use super::spill_file::SpillIo;
 use super::{Backup, BackupStore};
@@ -41,10 +42,14 @@ pub struct FileWakeTimes {
     pub before_copy_seconds: f64,
 }
 
-/// What `BackupStore::restore_files` did: the bytes read, and where the time went.
+/// What `BackupStore::restore_files` did: the bytes read from files, the raw bytes restored (more than those read
+/// where backups were compressed: file_packed.rs), of which compressed, and where the time went.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct FileRestored {
     pub bytes: usize,
+    pub raw: usize,
+    /// (raw bytes, bytes read) of the compressed backups.
+    pub compressed: (usize, usize),
     pub times: FileWakeTimes,
 }
 
@@ -82,23 +87,47 @@ impl BackupStore {
     }
 
     /// Restore the file backups of `targets` ((device, addr) of mapped, asleep allocations; those with a host
-    /// backup are skipped) file -> ring -> device. Every copy it queued is waited for before it returns, failure
-    /// or not. Ok: the bytes read and where the time went.
+    /// backup are skipped) file -> ring -> device, the raw ones first, then the compressed ones (file_packed.rs,
+    /// verified against their sleep's prints). Every copy it queued is waited for before it returns, failure or
+    /// not. Ok: the bytes read and restored, and where the time went.
     pub fn restore_files(
         &mut self,
         driver: &dyn Driver,
         targets: &[(i32, DevPtr)],
         log: &mut ErrorLog,
     ) -> Result<FileRestored> {
-        let Some(restore) = self.plan_file_restore(targets, log)? else {
-            return Ok(FileRestored::default());
-        };
-        let (mut refused, mut times) = (None, FileWakeTimes::default());
-        let read = restore.run(driver, &mut refused, &mut times, |_| Ok(()));
-        if let Some(e) = refused {
-            log.record(super::THREAD_REFUSED, &e);
+        let mut out = FileRestored::default();
+        if let Some(restore) = self.plan_file_restore(targets, log)? {
+            let mut refused = None;
+            let read = restore.run(driver, &mut refused, &mut out.times, |_| Ok(()));
+            if let Some(e) = refused {
+                log.record(super::THREAD_REFUSED, &e);
+            }
+            out.bytes = read?;
+            out.raw = out.bytes;
         }
-        read.map(|bytes| FileRestored { bytes, times })
+        let packed: Vec<(i32, DevPtr, Arc<FilePacked>)> = (targets.iter())
+            .filter_map(|&(d, a)| {
+                let p = self.asleep.get(&a).and_then(Backup::file_packed)?;
+                Some((d, a, p.clone()))
+            })
+            .collect();
+        if !packed.is_empty() {
+            let ring = self.ring(log)?;
+            let items: Vec<(i32, DevPtr, &FilePacked)> =
+                packed.iter().map(|(d, a, p)| (*d, *a, &**p)).collect();
+            let (mut refused, t) = (None, Instant::now());
+            let read = restore_packed_files(driver, &ring, &*self.io, &items, &mut refused);
+            if let Some(e) = refused {
+                log.record(super::THREAD_REFUSED, &e);
+            }
+            let read = read?;
+            out.times.copy_seconds += t.elapsed().as_secs_f64();
+            out.bytes += read.disk;
+            out.raw += read.raw;
+            out.compressed = (read.raw, read.disk);
+        }
+        Ok(out)
     }
 }
 
@@ -277,7 +306,9 @@ mod tests {
         let mut refused = None;
         let written = plan
             .unwrap()
-            .write_out(&*sim, &mut refused, |job, b| store.keep(job.addr, b))
+            .write_out(&*sim, &mut refused, &mut None, |job, b| {
+                store.keep(job.addr, b)
+            })
             .unwrap();
         assert_eq!(written, 3 * GRAN);
         for &(addr, h) in &mapped {

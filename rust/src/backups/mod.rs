@@ -4,8 +4,9 @@
 //! unlinked spill file), the arenas themselves and the cached one kept for the next sleep (`HostPool`), the bound
 //! on the host memory they hold (bound.rs) and the host budget (budget.rs), backups kept bound to awake
 //! allocations with their chunk fingerprints (retain.rs), the background worker that pins the next sleep's arena
-//! ahead of time (pin_ahead.rs), and the file tier (file_tier.rs and its wake pipeline file_wake.rs, over
-//! staging.rs and spill_file.rs) all live here.
+//! ahead of time (pin_ahead.rs), and the file tier (file_tier.rs and its wake pipeline file_wake.rs, compressed
+//! file backups in file_packed.rs, over staging.rs, spill_file.rs and the I/O threads of io_workers.rs) all live
+//! here.
 //! The engine decides when an allocation sleeps or wakes; it asks this store which backups go to files and for an
 //! arena to copy the others into, hands it the backups a sleep made (`keep`) and takes them back at wake
 //! (`take`). A codec plugs in here too, behind `Backup`, not into the engine.
@@ -16,9 +17,11 @@
 mod bound;
 mod budget;
 mod compressed;
+mod file_packed;
 mod file_tier;
 mod file_wake;
 mod incompressible;
+mod io_workers;
 mod pin_ahead;
 mod placer;
 mod retain;
@@ -83,6 +86,8 @@ enum Place {
     File(Arc<FileRegion>),
     /// Compressed chunks in host arenas; shared by the clones (the asleep set's, a retained one's).
     Packed(Arc<Packed>),
+    /// Compressed chunks in a spill file (file_packed.rs).
+    FilePacked(Arc<file_packed::FilePacked>),
 }
 
 /// A backup's bytes in a spill file. Shared by the clones of its `Backup` (the asleep set's, a retained one's, a
@@ -135,24 +140,36 @@ impl Backup {
 
     /// Whether it lies in host memory (else in a spill file).
     pub fn in_host(&self) -> bool {
-        !matches!(self.place, Place::File(_))
+        !matches!(self.place, Place::File(_) | Place::FilePacked(_))
     }
 
-    /// Whether it is compressed (compressed.rs).
+    /// Whether it is compressed (compressed.rs, or in a file: file_packed.rs).
     pub fn is_compressed(&self) -> bool {
-        self.packed().is_some()
+        self.packed().is_some() || self.file_packed().is_some()
     }
 
-    /// Bytes it takes where it lies: its blobs' when compressed, else `len`.
+    /// Bytes it takes where it lies: its blobs' (in host memory, or of its file) when compressed, else `len`.
     pub fn stored_len(&self) -> usize {
-        self.packed().map_or(self.len, |p| p.stored_bytes())
+        match &self.place {
+            Place::Packed(p) => p.stored_bytes(),
+            Place::FilePacked(p) => p.disk_bytes(),
+            Place::Arena { .. } | Place::File(_) => self.len,
+        }
+    }
+
+    /// The blobs of a compressed file backup.
+    fn file_packed(&self) -> Option<&Arc<file_packed::FilePacked>> {
+        match &self.place {
+            Place::FilePacked(p) => Some(p),
+            _ => None,
+        }
     }
 
     /// (arena, offset) of a raw host backup.
     fn arena(&self) -> Option<(&Arc<HostBuffer>, usize)> {
         match &self.place {
             Place::Arena { arena, offset } => Some((arena, *offset)),
-            Place::File(_) | Place::Packed(_) => None,
+            Place::File(_) | Place::Packed(_) | Place::FilePacked(_) => None,
         }
     }
 
@@ -160,15 +177,15 @@ impl Backup {
     fn packed(&self) -> Option<&Arc<Packed>> {
         match &self.place {
             Place::Packed(p) => Some(p),
-            Place::Arena { .. } | Place::File(_) => None,
+            Place::Arena { .. } | Place::File(_) | Place::FilePacked(_) => None,
         }
     }
 
-    /// (file, offset) of a file backup.
+    /// (file, offset) of a raw file backup.
     fn file(&self) -> Option<(&Arc<SpillFile>, u64)> {
         match &self.place {
             Place::File(r) => Some((&r.file, r.offset)),
-            Place::Arena { .. } | Place::Packed(_) => None,
+            Place::Arena { .. } | Place::Packed(_) | Place::FilePacked(_) => None,
         }
     }
 
@@ -181,22 +198,8 @@ impl Backup {
                 Ok(())
             }
             Place::Packed(p) => p.read_at(self.len, at, out),
-            // Block by block into aligned buffers: the file may be open with O_DIRECT (a diagnostics path).
-            Place::File(r) => {
-                let (file, offset) = (&r.file, &r.offset);
-                const B: u64 = spill_file::IO_ALIGN as u64;
-                let (from, to) = (*offset + at as u64, *offset + (at + out.len()) as u64);
-                let mut block = Box::new(Block([0; spill_file::IO_ALIGN]));
-                let mut start = from / B * B;
-                while start < to {
-                    file.read_exact_at(&PosixIo, &mut block.0, start)?;
-                    let (lo, hi) = (from.max(start), to.min(start + B));
-                    out[(lo - from) as usize..(hi - from) as usize]
-                        .copy_from_slice(&block.0[(lo - start) as usize..(hi - start) as usize]);
-                    start += B;
-                }
-                Ok(())
-            }
+            Place::FilePacked(p) => p.read_at(at, out),
+            Place::File(r) => read_file_at(&r.file, r.offset + at as u64, out),
         }
     }
 
@@ -223,6 +226,23 @@ impl Backup {
             .expect("host backups only (file ones: FileRewrites)");
         arena.queue_from_device(device, addr, offset + at, len)
     }
+}
+
+/// `out.len()` bytes of `file` from `from`, block by block into aligned buffers: the file may be open with
+/// O_DIRECT (a diagnostics path).
+fn read_file_at(file: &SpillFile, from: u64, out: &mut [u8]) -> Result<()> {
+    const B: u64 = spill_file::IO_ALIGN as u64;
+    let to = from + out.len() as u64;
+    let mut block = Box::new(Block([0; spill_file::IO_ALIGN]));
+    let mut start = from / B * B;
+    while start < to {
+        file.read_exact_at(&PosixIo, &mut block.0, start)?;
+        let (lo, hi) = (from.max(start), to.min(start + B));
+        out[(lo - from) as usize..(hi - from) as usize]
+            .copy_from_slice(&block.0[(lo - start) as usize..(hi - start) as usize]);
+        start += B;
+    }
+    Ok(())
 }
 
 /// One I/O block, aligned as O_DIRECT wants.
@@ -276,6 +296,8 @@ pub struct BackupStore {
     staging_bytes: usize,
     io: Arc<Faults<PosixIo>>,
     file_bytes: usize,
+    /// Bytes of the file blocks the asleep file backups take (less than `file_bytes` where compressed).
+    file_stored: usize,
     /// The spill files backups may still lie in, for `punch_released` (file_tier.rs).
     files: Vec<std::sync::Weak<SpillFile>>,
     /// Compression (compressed.rs): on, and the stored/raw ratio the last compressed sleep measured.
@@ -322,6 +344,7 @@ impl BackupStore {
             staging_bytes: DEFAULT_STAGING_BYTES,
             io: Arc::new(Faults::new(PosixIo)),
             file_bytes: 0,
+            file_stored: 0,
             files: Vec::new(),
             host: HostPool::new(driver.clone()),
             arenas: Vec::new(),
@@ -356,21 +379,19 @@ impl BackupStore {
     }
 
     /// Add (`add`) or remove `b` from the bytes asleep in its tier (host: the bytes it takes, and its raw bytes).
+    /// File backups: the bytes of the file tier, and their file blocks.
     fn count(&mut self, b: &Backup, add: bool) {
-        let (n, len) = if b.in_host() {
-            if add {
-                self.asleep_raw += b.len;
-            } else {
-                self.asleep_raw -= b.len;
-            }
-            (&mut self.asleep_bytes, b.stored_len())
+        let (raw, stored) = if b.in_host() {
+            (&mut self.asleep_raw, &mut self.asleep_bytes)
         } else {
-            (&mut self.file_bytes, b.len)
+            (&mut self.file_bytes, &mut self.file_stored)
         };
         if add {
-            *n += len;
+            *raw += b.len;
+            *stored += b.stored_len();
         } else {
-            *n -= len;
+            *raw -= b.len;
+            *stored -= b.stored_len();
         }
     }
 

@@ -267,6 +267,61 @@ impl BackupStore {
 
     // ----- sleep -------------------------------------------------------------------------------------------
 
+    /// Sleep, before the tiers are planned: the allocations of `retained` whose retained backup is compressed in a
+    /// file (file_packed.rs) and whose contents changed since its sleep, or that have no prints to tell, leave
+    /// `retained` and lose that backup (returned: the sleep backs them up afresh, planned with the others), since
+    /// blobs cannot be rewritten in place. One fingerprint pass per device over those allocations; a failed one
+    /// counts them all as changed.
+    pub fn split_changed_file_packed(
+        &mut self,
+        reg: &Registry,
+        retained: &mut Vec<DevPtr>,
+        log: &mut ErrorLog,
+    ) -> Vec<DevPtr> {
+        let r = &self.retention;
+        let mut per_device: HashMap<i32, Vec<DevPtr>> = HashMap::new();
+        for a in retained.iter() {
+            if (r.retained.get(a)).is_some_and(|b| b.file_packed().is_some()) {
+                per_device
+                    .entry(reg.get(*a).expect("selected").device)
+                    .or_default()
+                    .push(*a);
+            }
+        }
+        let mut changed = Vec::new();
+        for (device, addrs) in per_device {
+            let ranges: Vec<(DevPtr, usize)> = (addrs.iter())
+                .flat_map(|a| {
+                    let size = reg.get(*a).expect("selected").size;
+                    fingerprint::chunks(size, r.chunk).map(move |(off, len)| (*a + off as u64, len))
+                })
+                .collect();
+            let now = match super::compressed::take_prints(&*self.driver, device, &ranges) {
+                Ok(fps) => fps,
+                Err(e) => {
+                    log.record(
+                        "fingerprinting compressed file backups (backed up afresh)",
+                        &e,
+                    );
+                    changed.extend(addrs);
+                    continue;
+                }
+            };
+            let mut at = 0;
+            for a in addrs {
+                let n = reg.get(a).expect("selected").size.div_ceil(r.chunk);
+                if r.prints.get(&a).is_none_or(|p| p[..] != now[at..at + n]) {
+                    changed.push(a);
+                }
+                at += n;
+            }
+        }
+        let gone: HashSet<DevPtr> = changed.iter().copied().collect();
+        retained.retain(|a| !gone.contains(a));
+        self.retention.drop(&changed);
+        changed
+    }
+
     /// Sleep, before anything is queued: split the offloaded allocations into those with a retained backup
     /// (returned; their changed chunks go into it) and the others (left in `backed`).
     pub fn split_retained(&self, backed: &mut Vec<DevPtr>) -> Vec<DevPtr> {
@@ -376,6 +431,14 @@ impl BackupStore {
                 } else {
                     runs.push((off, len));
                 }
+            }
+            if backup.file_packed().is_some() && !runs.is_empty() {
+                // Checked unchanged before the tiers were planned (`split_changed_file_packed`): its blobs cannot
+                // be rewritten in place, so it stays awake.
+                result = Err(Error::InvalidState(format!(
+                    "allocation {addr:#x} changed while its sleep ran; it stays awake"
+                )));
+                break;
             }
             if !backup.in_host() {
                 // Written through the staging ring later (file_tier.rs), in whole I/O blocks.

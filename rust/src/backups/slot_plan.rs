@@ -13,7 +13,7 @@
 //! `io_len`), so a segment that ends an item takes its padding with it, and every segment starts where the slot
 //! is block-aligned.
 
-use super::file_tier::io_len;
+use super::io_workers::io_len;
 
 /// Where one item (a backup, or a run of one) lies: the file it is in (`key`: the same for the same file), its
 /// device, its offset in that file, and its length.

@@ -51,6 +51,7 @@ impl Engine {
             host_tier_bytes: inner.backups.asleep_raw_bytes(),
             file_tier_bytes: inner.backups.file_bytes(),
             host_tier_stored_bytes: inner.backups.asleep_bytes(),
+            file_tier_stored_bytes: inner.backups.file_stored_bytes(),
             compressed_bytes: compressed.0,
             compressed_raw_bytes: compressed.1,
             compression_ratio: match compressed {

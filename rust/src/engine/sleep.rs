@@ -91,6 +91,14 @@ impl Engine {
         // Not offloaded this time: a retained backup of these would go stale.
         inner.backups.drop_retained(&bare);
         let mut retained = inner.backups.split_retained(&mut backed);
+        // Retained compressed file backups are kept only if nothing in them changed (checked now, with one
+        // fingerprint pass): a changed one is backed up afresh, planned with the others.
+        let changed =
+            (inner.backups).split_changed_file_packed(&inner.reg, &mut retained, &mut inner.log);
+        if !changed.is_empty() {
+            backed.extend(changed);
+            backed.sort_unstable();
+        }
         // A retained backup in the other tier than its tag's policy now says ("host", "file") is dropped: a fresh
         // backup goes where the policy says.
         let (retier, kept): (Vec<DevPtr>, Vec<DevPtr>) = retained.into_iter().partition(|a| {
@@ -204,7 +212,15 @@ impl Engine {
 
         // 6b. The file tier, once the host copies are done (nothing more after a failure): device -> staging ring
         //     -> file, each allocation released once all its bytes are written.
-        if let Some(plan) = spill.filter(|_| first_err.is_none()) {
+        if let Some(mut plan) = spill.filter(|_| first_err.is_none()) {
+            if plan.compresses() {
+                // As for host backups: not what the codec could not shrink last time (counted).
+                for job in &mut plan.jobs {
+                    let tag = &inner.reg.get(job.addr).expect("selected").tag;
+                    job.kind = (inner.policies.compress_kind(tag))
+                        .filter(|_| !inner.backups.skips_codec(job.addr));
+                }
+            }
             self.write_files(inner, &plan, &mut report, &mut first_err);
         }
 
@@ -351,15 +367,37 @@ impl Engine {
     ) {
         let start = Instant::now();
         let mut copied = 0;
-        let mut refused = None;
-        let written = plan.write_out(&*self.driver, &mut refused, |job, backup| {
-            match self.release_to_sleep(inner, job.addr, Some(backup), report) {
-                Ok(()) => copied += job.size,
-                Err(e) => {
-                    first_err.get_or_insert(e);
+        let (mut refused, mut fell_back) = (None, None);
+        let written = plan.write_out(
+            &*self.driver,
+            &mut refused,
+            &mut fell_back,
+            |job, backup| {
+                let stored = backup.is_compressed().then(|| backup.stored_len());
+                if job.kind.is_some() {
+                    inner.backups.note_codec_result(job.addr, stored.is_none());
                 }
+                match self.release_to_sleep(inner, job.addr, Some(backup), report) {
+                    Ok(()) => {
+                        copied += job.size;
+                        if let Some(stored) = stored {
+                            report.raw_bytes += job.size;
+                            report.stored_bytes += stored;
+                        }
+                    }
+                    Err(e) => {
+                        first_err.get_or_insert(e);
+                    }
+                }
+            },
+        );
+        if let Some(e) = fell_back {
+            // Written raw for a failure of the codec, not for what the codec made of them: tried again next time.
+            inner.log.record(super::compress::COMPRESS_FELL_BACK, &e);
+            for job in plan.jobs.iter().filter(|j| j.kind.is_some()) {
+                inner.backups.note_codec_result(job.addr, false);
             }
-        });
+        }
         report.copied_bytes += copied;
         Self::account_file_pass(inner, start, refused, written, report, first_err);
     }

@@ -69,9 +69,10 @@ pub struct Stats {
     /// spill files.
     pub host_tier_bytes: usize,
     pub file_tier_bytes: usize,
-    /// The host bytes the host tier's backups take as stored (compressed ones count their blobs; files hold
-    /// raw bytes, so their stored bytes are `file_tier_bytes`).
+    /// The host bytes the host tier's backups take as stored (compressed ones count their blobs).
     pub host_tier_stored_bytes: usize,
+    /// The file bytes the file tier's backups take (compressed ones count their blobs, padded to I/O blocks).
+    pub file_tier_stored_bytes: usize,
     /// The compressed ones among them: their host bytes, their raw bytes, and the ratio (stored / raw; 1.0
     /// with none).
     pub compressed_bytes: usize,

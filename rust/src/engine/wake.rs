@@ -142,12 +142,12 @@ impl Engine {
             report.file_seconds += file_start.elapsed().as_secs_f64();
             report.file_read_wait_seconds += restored.times.read_wait_seconds;
             report.file_copy_seconds += restored.times.copy_seconds;
+            report.raw_bytes += restored.compressed.0;
+            report.stored_bytes += restored.compressed.1;
+            report.copied_bytes += restored.raw;
             restored.bytes
         };
-        if read > 0 {
-            report.read_bytes += read;
-            report.copied_bytes += read;
-        }
+        report.read_bytes += read;
         let t = phases.add("files", t);
         // Compressed backups: decompressed into their allocations (the deferred runs mapped just before) and
         // verified against the sleep's fingerprints; a codec error or a mismatch fails the wake like a failed copy.

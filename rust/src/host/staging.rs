@@ -89,6 +89,13 @@ impl StagingRing {
             .queue_to_device(device, dst, i * self.slot + at, len)
     }
 
+    /// Host address of slot `i` (pinned, `slot_size` bytes): where a codec writes a slot's blobs at sleep and
+    /// reads them at wake, the pipeline holding the slot meanwhile.
+    pub fn slot_ptr(&self, i: usize) -> crate::driver::HostPtr {
+        assert!(i < self.slots, "slot {i} of {}", self.slots);
+        self.buf.at(i * self.slot)
+    }
+
     /// The memory of slot `i`, for the one party that owns the slot now (see the module comment): no copy may be
     /// queued into or out of it until the `SlotMem` is dropped.
     pub fn slot_mem(&self, i: usize) -> SlotMem {
