@@ -306,12 +306,7 @@ fn write_pieces(
     mut done: impl FnMut(usize),
 ) -> Result<usize> {
     let items: Vec<slot_plan::Item> = (pieces.iter())
-        .map(|p| slot_plan::Item {
-            key: p.file as *const SpillFile as usize,
-            device: p.device,
-            offset: p.offset,
-            len: p.size,
-        })
+        .map(|p| slot_plan::Item::in_file(p.file, p.device, p.offset, p.size))
         .collect();
     let slots = slot_plan::plan(&items, ring.slot_size());
     let mut remaining = slot_plan::segments_per_item(&slots, pieces.len());

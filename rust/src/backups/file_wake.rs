@@ -153,12 +153,7 @@ impl FileRestore {
         let placed: Vec<slot_plan::Item> = (items.iter())
             .map(|(device, _, b)| {
                 let (file, offset) = b.file().expect("file backups only");
-                slot_plan::Item {
-                    key: Arc::as_ptr(file) as usize,
-                    device: *device,
-                    offset,
-                    len: b.len(),
-                }
+                slot_plan::Item::in_file(file, *device, offset, b.len())
             })
             .collect();
         let chunks = slot_plan::plan(&placed, ring.slot_size());
@@ -230,14 +225,13 @@ impl FileRestore {
                 });
                 let marked = queued.and_then(|()| driver.record_marker(s.device));
                 times.copy_seconds += since(t);
-                let device = s.device;
                 match marked {
                     Ok(m) => {
                         read += s.segments.iter().map(|g| g.len).sum::<usize>();
-                        copying.push_back((slot, device, m));
+                        copying.push_back((slot, s.device, m));
                     }
                     Err(e) => {
-                        let _ = driver.wait(device); // a copy queued without a marker behind it
+                        let _ = driver.wait(s.device); // a copy queued without a marker behind it
                         free.push(slot);
                         failed.get_or_insert(e);
                     }

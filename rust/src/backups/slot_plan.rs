@@ -14,6 +14,7 @@
 //! is block-aligned.
 
 use super::io_workers::io_len;
+use super::spill_file::SpillFile;
 
 /// Where one item (a backup, or a run of one) lies: the file it is in (`key`: the same for the same file), its
 /// device, its offset in that file, and its length.
@@ -23,6 +24,19 @@ pub struct Item {
     pub device: i32,
     pub offset: u64,
     pub len: usize,
+}
+
+impl Item {
+    /// `len` bytes at `offset` of spill file `file`, to or from `device` (keyed by the file: one I/O never
+    /// spans two files).
+    pub fn in_file(file: &SpillFile, device: i32, offset: u64, len: usize) -> Item {
+        Item {
+            key: file as *const SpillFile as usize,
+            device,
+            offset,
+            len,
+        }
+    }
 }
 
 /// `len` bytes of item `item`, `at` bytes into it, at `slot_off` of the slot.
