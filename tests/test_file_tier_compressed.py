@@ -13,7 +13,7 @@ import pytest
 import cumem_rs
 from cumem_rs import Allocator, CumemError
 from conftest import SIM_CAPACITY, SIM_GRANULARITY, live_counts, spill_files
-from test_compression import bf16_like
+from test_compression import bf16_like, weights
 
 GRAN = SIM_GRANULARITY
 CHUNK = 64 << 10
@@ -30,16 +30,6 @@ def sim(tmp_path):
     a.set_tag_policy("weights", backup_tier="file")
     yield a
     a.close()
-
-
-def weights(a: Allocator, data: bytes) -> int:
-    a.push_tag("weights")
-    try:
-        addr = a.malloc(len(data), 0)
-    finally:
-        a.pop_tag()
-    a.write(addr, data)
-    return addr
 
 
 def test_bf16_weights_go_to_their_file_compressed_and_come_back_bit_identical(sim, tmp_path):

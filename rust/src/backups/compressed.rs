@@ -42,6 +42,20 @@ const GROW_FAILED: &str =
 /// compressed backup. None on CUDA, whose blobs only a wake restores.
 pub(crate) type HostDecode = fn(&[u8], &mut [u8]) -> Result<()>;
 
+/// Decode `blob` into `raw` with `decode`; without one (CUDA) an error: only a wake restores such a backup.
+pub(super) fn decode_on_host(
+    decode: Option<HostDecode>,
+    blob: &[u8],
+    raw: &mut [u8],
+) -> Result<()> {
+    let decode = decode.ok_or_else(|| {
+        Error::InvalidState(
+            "this backup is compressed on the device: only a wake restores its bytes".into(),
+        )
+    })?;
+    decode(blob, raw)
+}
+
 /// One chunk's blob: `stored.len` bytes at `offset` of `arena`.
 #[derive(Clone)]
 pub(crate) struct Blob {
@@ -92,15 +106,9 @@ impl Packed {
             if blob.stored.raw {
                 blob.arena.read_at(blob.offset, &mut raw);
             } else {
-                let decode = self.host_decode.ok_or_else(|| {
-                    Error::InvalidState(
-                        "this backup is compressed on the device: only a wake restores its bytes"
-                            .into(),
-                    )
-                })?;
                 let mut bytes = vec![0u8; blob.stored.len];
                 blob.arena.read_at(blob.offset, &mut bytes);
-                decode(&bytes, &mut raw)?;
+                decode_on_host(self.host_decode, &bytes, &mut raw)?;
             }
             let from = at + done - off;
             let n = (len - from).min(out.len() - done);

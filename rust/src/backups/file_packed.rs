@@ -21,7 +21,7 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use super::compressed::{naming, take_prints, HostDecode};
+use super::compressed::{decode_on_host, naming, take_prints, HostDecode};
 use super::io_workers::{io_len, Workers, IO_THREADS};
 use super::spill_file::{SpillFile, SpillIo, IO_ALIGN};
 use super::{Backup, FileRegion, Place};
@@ -69,14 +69,8 @@ impl FilePacked {
             let raw = if blob.stored.raw {
                 bytes
             } else {
-                let decode = self.host_decode.ok_or_else(|| {
-                    Error::InvalidState(
-                        "this backup is compressed on the device: only a wake restores its bytes"
-                            .into(),
-                    )
-                })?;
                 let mut raw = vec![0u8; len];
-                decode(&bytes, &mut raw)?;
+                decode_on_host(self.host_decode, &bytes, &mut raw)?;
                 raw
             };
             let from = at + done - off;
