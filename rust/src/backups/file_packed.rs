@@ -15,8 +15,11 @@
 //! restored chunks is compared with the sleep's prints. A read error, a codec error or a mismatch fails the wake
 //! (naming the allocation); the file is never changed, so a later wake can succeed.
 //!
-//! Such a backup is not retained across a wake (retain.rs): a retained file backup is rewritten in place, chunk by
-//! chunk, which blobs of changing lengths do not allow. Each sleep compresses and writes the allocation again.
+//! Retained (retain.rs): such a backup stays bound across a wake like a raw file backup, but blobs of changing
+//! lengths cannot be rewritten in place, chunk by chunk. So the next sleep checks it with one fingerprint pass
+//! before the tiers are planned (`split_changed_file_packed`): unchanged, it is kept and nothing is written;
+//! changed, it is dropped and the allocation written afresh, whole. A backup whose every chunk was stored raw is
+//! handed over as a raw file backup instead (its bytes lie as a raw one's would), rewritten in place as usual.
 
 use std::collections::HashMap;
 use std::sync::Arc;
