@@ -60,6 +60,18 @@ pub fn chunks(size: usize, chunk: usize) -> impl Iterator<Item = (usize, usize)>
     (0..size.div_ceil(chunk)).map(move |i| (i * chunk, chunk.min(size - i * chunk)))
 }
 
+/// The same chunks as device ranges (address, len) of an allocation at `addr` (a `DevPtr`).
+pub fn chunk_ranges(addr: u64, size: usize, chunk: usize) -> impl Iterator<Item = (u64, usize)> {
+    chunks(size, chunk).map(move |(off, len)| (addr + off as u64, len))
+}
+
+/// The first chunk whose print `got` does not match `want` (a missing one counts as a mismatch).
+pub fn first_mismatch(want: &[Fingerprint], got: &[Fingerprint]) -> Option<usize> {
+    (want.iter().enumerate())
+        .find(|(i, w)| got.get(*i) != Some(*w))
+        .map(|(i, _)| i)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -260,8 +260,9 @@ impl BackupStore {
             let ranges: Vec<(DevPtr, usize)> = (list.iter())
                 .map(|&(n, i)| {
                     let (addr, _, size, _, _) = &all[n];
-                    let (off, len) = fingerprint::chunks(*size, chunk).nth(i).expect("chunk");
-                    (addr + off as u64, len)
+                    fingerprint::chunk_ranges(*addr, *size, chunk)
+                        .nth(i)
+                        .expect("chunk")
                 })
                 .collect();
             let mut rest: usize = ranges.iter().map(|r| r.1).sum();
@@ -371,27 +372,10 @@ impl BackupStore {
 
     /// The prints of the chunks of `all`, one batch per device, waited for.
     fn prints_now(&self, all: &[Packing], chunk: usize) -> Result<Vec<Vec<Fingerprint>>> {
-        let mut per_device: HashMap<i32, Vec<usize>> = HashMap::new();
-        for (n, (_, dev, ..)) in all.iter().enumerate() {
-            per_device.entry(*dev).or_default().push(n);
-        }
-        let mut prints = vec![Vec::new(); all.len()];
-        for (dev, members) in per_device {
-            let ranges: Vec<(DevPtr, usize)> = (members.iter())
-                .flat_map(|&n| {
-                    let (addr, _, size, ..) = all[n];
-                    fingerprint::chunks(size, chunk).map(move |(off, len)| (addr + off as u64, len))
-                })
-                .collect();
-            let fps = take_prints(&*self.driver, dev, &ranges)?;
-            let mut rest = fps.as_slice();
-            for n in members {
-                let (mine, tail) = rest.split_at(all[n].2.div_ceil(chunk));
-                prints[n] = mine.to_vec();
-                rest = tail;
-            }
-        }
-        Ok(prints)
+        let allocs: Vec<(DevPtr, i32, usize, usize)> = (all.iter())
+            .map(|&(addr, dev, size, ..)| (addr, dev, size, chunk))
+            .collect();
+        prints_of(&*self.driver, &allocs)
     }
 
     /// The host decoder of this driver's blobs, where its format allows one (the simulated driver's).
@@ -485,16 +469,14 @@ impl BackupStore {
             let mut at = 0;
             for (addr, p) in allocs {
                 let a = reg.get(addr).expect("selected");
-                for (i, want) in p.prints.iter().enumerate() {
-                    if fps.get(at + i) != Some(want) {
-                        return Err(Error::InvalidState(format!(
-                            "wake: allocation {addr:#x} (tag {:?}) did not restore intact from its compressed \
-                             backup (chunk at +{:#x} differs from the fingerprint its sleep took); every \
-                             allocation stays asleep with its backup",
-                            a.tag,
-                            p.chunk_range(i, a.size).0
-                        )));
-                    }
+                if let Some(i) = fingerprint::first_mismatch(&p.prints, &fps[at..]) {
+                    return Err(Error::InvalidState(format!(
+                        "wake: allocation {addr:#x} (tag {:?}) did not restore intact from its compressed \
+                         backup (chunk at +{:#x} differs from the fingerprint its sleep took); every \
+                         allocation stays asleep with its backup",
+                        a.tag,
+                        p.chunk_range(i, a.size).0
+                    )));
                 }
                 at += p.blobs.len();
             }
@@ -616,8 +598,37 @@ pub(super) fn naming(e: Error, context: String) -> Error {
     }
 }
 
+/// The prints of the chunks of each of `allocs` ((addr, device, size, chunk)), one batch per device, waited for.
+pub(super) fn prints_of(
+    driver: &dyn Driver,
+    allocs: &[(DevPtr, i32, usize, usize)],
+) -> Result<Vec<Vec<Fingerprint>>> {
+    let mut per_device: HashMap<i32, Vec<usize>> = HashMap::new();
+    for (n, (_, dev, ..)) in allocs.iter().enumerate() {
+        per_device.entry(*dev).or_default().push(n);
+    }
+    let mut prints = vec![Vec::new(); allocs.len()];
+    for (dev, members) in per_device {
+        let ranges: Vec<(DevPtr, usize)> = (members.iter())
+            .flat_map(|&n| {
+                let (addr, _, size, chunk) = allocs[n];
+                fingerprint::chunk_ranges(addr, size, chunk)
+            })
+            .collect();
+        let fps = take_prints(driver, dev, &ranges)?;
+        let mut rest = fps.as_slice();
+        for n in members {
+            let (_, _, size, chunk) = allocs[n];
+            let (mine, tail) = rest.split_at(size.div_ceil(chunk));
+            prints[n] = mine.to_vec();
+            rest = tail;
+        }
+    }
+    Ok(prints)
+}
+
 /// Fingerprints of `ranges` on `device`: queued, waited for, taken.
-pub(super) fn take_prints(
+fn take_prints(
     driver: &dyn Driver,
     device: i32,
     ranges: &[(DevPtr, usize)],

@@ -21,10 +21,10 @@
 //! changed, it is dropped and the allocation written afresh, whole. A backup whose every chunk was stored raw is
 //! handed over as a raw file backup instead (its bytes lie as a raw one's would), rewritten in place as usual.
 
-use std::collections::HashMap;
 use std::sync::Arc;
+use std::time::Instant;
 
-use super::compressed::{decode_on_host, naming, take_prints, HostDecode};
+use super::compressed::{decode_on_host, naming, prints_of, HostDecode};
 use super::io_workers::{io_len, Workers, IO_THREADS};
 use super::spill_file::{SpillFile, SpillIo, IO_ALIGN};
 use super::{Backup, FileRegion, Place};
@@ -110,11 +110,9 @@ struct Frame {
     n: usize,
 }
 
-/// A job's progress: its prints (taken at its first frame), its blobs so far, the next frame's offset in its
-/// region, and the frames still to be written.
+/// A job's progress: its blobs so far, the next frame's offset in its region, and the frames still to be written.
 #[derive(Default)]
 struct JobState {
-    prints: Vec<Fingerprint>,
     blobs: Vec<FileBlob>,
     at: u64,
     left: usize,
@@ -144,6 +142,11 @@ pub(super) fn write_packed(
         chunk <= ring.slot_size(),
         "planned only when a chunk fits a slot"
     );
+    // The prints a wake verifies against: every job's, one batch per device, before anything is compressed.
+    let allocs: Vec<(DevPtr, i32, usize, usize)> = (jobs.iter())
+        .map(|j| (j.addr, j.device, j.size, chunk))
+        .collect();
+    let mut prints = prints_of(driver, &allocs).inspect_err(|_| *codec_failed = true)?;
     let mut frames = Vec::new();
     let mut state: Vec<JobState> = Vec::with_capacity(jobs.len());
     for (j, job) in jobs.iter().enumerate() {
@@ -169,17 +172,10 @@ pub(super) fn write_packed(
     let fill = |slot: usize, f: usize, state: &mut [JobState]| -> Result<Write> {
         let Frame { job: j, first, n } = frames[f];
         let job = &jobs[j];
-        let ranges: Vec<(DevPtr, usize)> = fingerprint::chunks(job.size, chunk)
+        let ranges: Vec<(DevPtr, usize)> = fingerprint::chunk_ranges(job.addr, job.size, chunk)
             .skip(first)
             .take(n)
-            .map(|(off, len)| (job.addr + off as u64, len))
             .collect();
-        if first == 0 {
-            let all: Vec<(DevPtr, usize)> = fingerprint::chunks(job.size, chunk)
-                .map(|(off, len)| (job.addr + off as u64, len))
-                .collect();
-            state[j].prints = take_prints(driver, job.device, &all)?;
-        }
         let base = ring.slot_ptr(slot).0;
         let (mut cursor, mut offsets) = (0usize, Vec::with_capacity(n));
         let stored = dev_codec.compress_to_host(job.device, &ranges, job.kind, &mut |_, len| {
@@ -247,7 +243,7 @@ pub(super) fn write_packed(
                     chunk,
                     size: job.size,
                     blobs: st.blobs,
-                    prints: st.prints,
+                    prints: std::mem::take(&mut prints[j]),
                     host_decode: codec.host_decode,
                 };
                 done(
@@ -302,11 +298,14 @@ struct Run {
     hi: u64,
 }
 
-/// What `restore_packed_files` did: bytes read from files, raw bytes restored.
+/// What `restore_packed_files` did: bytes read from files, raw bytes restored, and where the time went (waiting
+/// for reads; in the codec's restores and the verification).
 #[derive(Debug, Clone, Copy, Default)]
 pub(super) struct PackedRead {
     pub(super) disk: usize,
     pub(super) raw: usize,
+    pub(super) read_wait_seconds: f64,
+    pub(super) codec_seconds: f64,
 }
 
 /// Restore the compressed file backups `items` ((device, addr, backup) of mapped, asleep allocations) through the
@@ -314,8 +313,7 @@ pub(super) struct PackedRead {
 /// done when it returns, failure or not.
 pub(super) fn restore_packed_files(
     driver: &dyn Driver,
-    ring: &StagingRing,
-    io: &dyn SpillIo,
+    (ring, io): (&StagingRing, &dyn SpillIo),
     items: &[(i32, DevPtr, &FilePacked)],
     refused: &mut Option<Error>,
 ) -> Result<PackedRead> {
@@ -389,7 +387,9 @@ pub(super) fn restore_packed_files(
             if pending == 0 {
                 break;
             }
+            let t = Instant::now();
             let (slot, r, res) = workers.next(true).expect("a read in flight");
+            out.read_wait_seconds += t.elapsed().as_secs_f64();
             pending -= 1;
             if let Err(e) = res {
                 failed.get_or_insert(e);
@@ -416,7 +416,9 @@ pub(super) fn restore_packed_files(
                     }
                 })
                 .collect();
+            let t = Instant::now();
             let restored = codec.decompress_from_host(device, &restore, &mut |_| Ok(()));
+            out.codec_seconds += t.elapsed().as_secs_f64();
             free.push(slot);
             match restored {
                 Ok(()) => {
@@ -437,34 +439,22 @@ pub(super) fn restore_packed_files(
         failed.map_or(Ok(()), Err)
     })?;
     // One fingerprint pass per device over the restored chunks, compared with the sleep's.
-    let mut per_device: HashMap<i32, Vec<usize>> = HashMap::new();
-    for (n, (device, _, _)) in items.iter().enumerate() {
-        per_device.entry(*device).or_default().push(n);
-    }
-    for (device, of) in per_device {
-        let chunks: Vec<(DevPtr, usize)> = (of.iter())
-            .flat_map(|&n| {
-                let (_, addr, p) = items[n];
-                fingerprint::chunks(p.size, p.chunk).map(move |(off, len)| (addr + off as u64, len))
-            })
-            .collect();
-        let fps = take_prints(driver, device, &chunks)?;
-        let mut at = 0;
-        for &n in &of {
-            let (_, addr, p) = items[n];
-            for (i, want) in p.prints.iter().enumerate() {
-                if fps.get(at + i) != Some(want) {
-                    return Err(Error::InvalidState(format!(
-                        "wake: allocation {addr:#x} did not restore intact from its compressed file backup (chunk \
-                         at +{:#x} differs from the fingerprint its sleep took); every allocation stays asleep with \
-                         its backup",
-                        i * p.chunk
-                    )));
-                }
-            }
-            at += p.blobs.len();
-            out.raw += p.size;
+    let allocs: Vec<(DevPtr, i32, usize, usize)> = (items.iter())
+        .map(|&(device, addr, p)| (addr, device, p.size, p.chunk))
+        .collect();
+    let t = Instant::now();
+    let restored = prints_of(driver, &allocs);
+    out.codec_seconds += t.elapsed().as_secs_f64();
+    let restored = restored?;
+    for (&(_, addr, p), got) in items.iter().zip(&restored) {
+        if let Some(i) = fingerprint::first_mismatch(&p.prints, got) {
+            return Err(Error::InvalidState(format!(
+                "wake: allocation {addr:#x} did not restore intact from its compressed file backup (chunk at \
+                 +{:#x} differs from the fingerprint its sleep took); every allocation stays asleep with its backup",
+                i * p.chunk
+            )));
         }
+        out.raw += p.size;
     }
     Ok(out)
 }

@@ -113,6 +113,24 @@ impl FileSleep {
         }
     }
 
+    /// Write the jobs `which` raw (`write_pieces`), marking each in `handed` as `done` gets it with its backup.
+    fn write_raw(
+        &self,
+        driver: &dyn Driver,
+        which: &[usize],
+        refused: &mut Option<Error>,
+        handed: &mut [bool],
+        done: &mut impl FnMut(&FileJob, Backup),
+    ) -> Result<usize> {
+        let pieces: Vec<Piece> = which.iter().map(|&j| self.piece(j)).collect();
+        write_pieces(driver, &self.ring, &*self.io, &pieces, refused, |p| {
+            let j = which[p];
+            handed[j] = true;
+            let job = &self.jobs[j];
+            done(job, Backup::in_file(&self.files[j], job.offset, job.size))
+        })
+    }
+
     /// Whether jobs given a `kind` are compressed (else every job is written raw, whatever its kind).
     pub fn compresses(&self) -> bool {
         self.codec.is_some()
@@ -135,14 +153,8 @@ impl FileSleep {
         let packed_of = |j: &FileJob| j.kind.filter(|_| self.codec.is_some());
         let (raw, packed): (Vec<usize>, Vec<usize>) =
             (0..self.jobs.len()).partition(|&j| packed_of(&self.jobs[j]).is_none());
-        let pieces: Vec<Piece> = raw.iter().map(|&j| self.piece(j)).collect();
         let mut handed = vec![false; self.jobs.len()];
-        let mut written = write_pieces(driver, &self.ring, &*self.io, &pieces, refused, |p| {
-            let j = raw[p];
-            handed[j] = true;
-            let job = &self.jobs[j];
-            done(job, Backup::in_file(&self.files[j], job.offset, job.size))
-        });
+        let mut written = self.write_raw(driver, &raw, refused, &mut handed, &mut done);
         if let (Ok(raw_written), Some(codec)) =
             (&written, self.codec.filter(|_| !packed.is_empty()))
         {
@@ -184,15 +196,8 @@ impl FileSleep {
                     // overwritten).
                     *fell_back = Some(e);
                     let rest: Vec<usize> = packed.iter().copied().filter(|&j| !handed[j]).collect();
-                    let pieces: Vec<Piece> = rest.iter().map(|&j| self.piece(j)).collect();
-                    let mut again = None;
-                    let r = write_pieces(driver, &self.ring, &*self.io, &pieces, &mut again, |p| {
-                        let j = rest[p];
-                        handed[j] = true;
-                        let job = &self.jobs[j];
-                        done(job, Backup::in_file(&self.files[j], job.offset, job.size))
-                    });
-                    r.map(|n| raw_written + n)
+                    self.write_raw(driver, &rest, &mut None, &mut handed, &mut done)
+                        .map(|n| raw_written + n)
                 }
                 Err(e) => Err(e),
             };

@@ -37,6 +37,7 @@ pub struct FileWakeTimes {
     pub read_wait_seconds: f64,
     /// Queueing the ring -> device copies and waiting for them before their slot could take the next read (high
     /// = copy-bound; on the simulated driver, whose copies are done as they are queued, the copies themselves).
+    /// Compressed file backups (file_packed.rs): the codec's restores out of the ring and their verification.
     pub copy_seconds: f64,
     /// In the caller's `before_copy` (the engine's maps), while the reads in flight went on.
     pub before_copy_seconds: f64,
@@ -116,13 +117,14 @@ impl BackupStore {
             let ring = self.ring(log)?;
             let items: Vec<(i32, DevPtr, &FilePacked)> =
                 packed.iter().map(|(d, a, p)| (*d, *a, &**p)).collect();
-            let (mut refused, t) = (None, Instant::now());
-            let read = restore_packed_files(driver, &ring, &*self.io, &items, &mut refused);
+            let mut refused = None;
+            let read = restore_packed_files(driver, (&ring, &*self.io), &items, &mut refused);
             if let Some(e) = refused {
                 log.record(super::THREAD_REFUSED, &e);
             }
             let read = read?;
-            out.times.copy_seconds += t.elapsed().as_secs_f64();
+            out.times.read_wait_seconds += read.read_wait_seconds;
+            out.times.copy_seconds += read.codec_seconds;
             out.bytes += read.disk;
             out.raw += read.raw;
             out.compressed = (read.raw, read.disk);

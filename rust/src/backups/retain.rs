@@ -270,7 +270,7 @@ impl BackupStore {
     /// Sleep, before the tiers are planned: the allocations of `retained` whose retained backup is compressed in a
     /// file (file_packed.rs) and whose contents changed since its sleep, or that have no prints to tell, leave
     /// `retained` and lose that backup (returned: the sleep backs them up afresh, planned with the others), since
-    /// blobs cannot be rewritten in place. One fingerprint pass per device over those allocations; a failed one
+    /// blobs cannot be rewritten in place. One fingerprint pass per device over those allocations; a failed pass
     /// counts them all as changed.
     pub fn split_changed_file_packed(
         &mut self,
@@ -279,43 +279,29 @@ impl BackupStore {
         log: &mut ErrorLog,
     ) -> Vec<DevPtr> {
         let r = &self.retention;
-        let mut per_device: HashMap<i32, Vec<DevPtr>> = HashMap::new();
-        for a in retained.iter() {
-            if (r.retained.get(a)).is_some_and(|b| b.file_packed().is_some()) {
-                per_device
-                    .entry(reg.get(*a).expect("selected").device)
-                    .or_default()
-                    .push(*a);
-            }
+        let candidates: Vec<(DevPtr, i32, usize, usize)> = (retained.iter())
+            .filter(|a| (r.retained.get(a)).is_some_and(|b| b.file_packed().is_some()))
+            .map(|a| {
+                let alloc = reg.get(*a).expect("selected");
+                (*a, alloc.device, alloc.size, r.chunk)
+            })
+            .collect();
+        if candidates.is_empty() {
+            return Vec::new();
         }
-        let mut changed = Vec::new();
-        for (device, addrs) in per_device {
-            let ranges: Vec<(DevPtr, usize)> = (addrs.iter())
-                .flat_map(|a| {
-                    let size = reg.get(*a).expect("selected").size;
-                    fingerprint::chunks(size, r.chunk).map(move |(off, len)| (*a + off as u64, len))
-                })
-                .collect();
-            let now = match super::compressed::take_prints(&*self.driver, device, &ranges) {
-                Ok(fps) => fps,
-                Err(e) => {
-                    log.record(
-                        "fingerprinting compressed file backups (backed up afresh)",
-                        &e,
-                    );
-                    changed.extend(addrs);
-                    continue;
-                }
-            };
-            let mut at = 0;
-            for a in addrs {
-                let n = reg.get(a).expect("selected").size.div_ceil(r.chunk);
-                if r.prints.get(&a).is_none_or(|p| p[..] != now[at..at + n]) {
-                    changed.push(a);
-                }
-                at += n;
+        let changed: Vec<DevPtr> = match super::compressed::prints_of(&*self.driver, &candidates) {
+            Ok(now) => (candidates.iter().zip(now))
+                .filter(|((a, ..), now)| r.prints.get(a) != Some(now))
+                .map(|((a, ..), _)| *a)
+                .collect(),
+            Err(e) => {
+                log.record(
+                    "fingerprinting compressed file backups (backed up afresh)",
+                    &e,
+                );
+                candidates.iter().map(|c| c.0).collect()
             }
-        }
+        };
         let gone: HashSet<DevPtr> = changed.iter().copied().collect();
         retained.retain(|a| !gone.contains(a));
         self.retention.drop(&changed);
@@ -370,8 +356,7 @@ impl BackupStore {
             let ranges: Vec<(DevPtr, usize)> = allocs
                 .iter()
                 .flat_map(|&a| {
-                    let size = reg.get(a).expect("selected").size;
-                    fingerprint::chunks(size, chunk).map(move |(off, len)| (a + off as u64, len))
+                    fingerprint::chunk_ranges(a, reg.get(a).expect("selected").size, chunk)
                 })
                 .collect();
             if let Err(e) = self.driver.queue_fingerprints(dev, &ranges) {

@@ -257,9 +257,7 @@ impl Engine {
             )));
         }
         let ranges: Vec<(DevPtr, usize)> =
-            fingerprint::chunks(len, inner.backups.fingerprint_chunk())
-                .map(|(off, l)| (addr + off as u64, l))
-                .collect();
+            fingerprint::chunk_ranges(addr, len, inner.backups.fingerprint_chunk()).collect();
         self.driver.synchronize(device, 0)?;
         self.driver.queue_fingerprints(device, &ranges)?;
         let waited = self.driver.wait(device);
