@@ -602,3 +602,120 @@ fn an_allocation_the_codec_could_not_shrink_sleeps_raw_and_is_tried_again_later(
     e.close().unwrap();
     assert_no_leaks(&sim);
 }
+
+#[test]
+fn a_compression_failing_part_way_keeps_the_finished_backups_and_copies_the_rest_raw() {
+    // Three allocations of two 2 MiB chunks: the codec fails at each blob in turn. Those whose blobs were all
+    // finished before it were released during the compression and must keep their compressed backups; the
+    // others are copied raw by the same sleep. Every allocation sleeps and wakes with its data.
+    // Second round: after a wake, which maps them as one wake group (one handle): the group is unmapped under
+    // the codec only once all three are complete.
+    const CHUNKS: usize = 2;
+    let size = CHUNKS * (2 << 20);
+    for (grouped, nth) in [false, true]
+        .into_iter()
+        .flat_map(|g| (1..=(3 * CHUNKS) as u64).map(move |n| (g, n)))
+    {
+        let (sim, e) = engine(1, 128 << 20);
+        let data: Vec<Vec<u8>> = (0..3).map(|i| bf16_like(size, 40 + i)).collect();
+        let addrs: Vec<u64> = data.iter().map(|d| weights(&e, d)).collect();
+        if grouped {
+            e.sleep(&["weights"]).unwrap();
+            e.wake(None::<&[&str]>).unwrap();
+            assert_eq!(e.stats().wake_groups, 1);
+            e.set_retain_backups(false).unwrap();
+        }
+        sim.inject_fault(Op::CompressBlob, nth, CUDA_ERROR_UNKNOWN)
+            .unwrap();
+        let rep = e.sleep(&["weights"]).unwrap();
+        let finished = (nth as usize - 1) / CHUNKS;
+        assert_eq!(rep.raw_bytes, finished * size, "fault at blob {nth}");
+        assert_eq!(rep.copied_bytes, 3 * size, "fault at blob {nth}");
+        assert_eq!(e.stats().asleep_allocations, 3, "fault at blob {nth}");
+        assert_eq!(sim.counts().mapped_bytes, 0, "fault at blob {nth}");
+        assert!(
+            e.errors().iter().any(|r| r.contains("copied them raw")),
+            "{:?}",
+            e.errors()
+        );
+        e.wake(None::<&[&str]>).unwrap();
+        for (a, d) in addrs.iter().zip(&data) {
+            assert!(e.read(*a, size).unwrap() == *d, "fault at blob {nth}");
+        }
+        e.close().unwrap();
+        assert_no_leaks(&sim);
+    }
+}
+
+#[test]
+fn a_failed_unmap_or_release_during_a_compression_keeps_the_data_and_is_reported() {
+    // The codec's allocations are unmapped and released while it works on the next ones (as each backup is
+    // complete): a failure of either there must leave the allocation awake with its data (unmap) or asleep with
+    // its backup and the handle queued for retry (release), as a release after the codec would.
+    let size = 4 * (2 << 20);
+    for op in [Op::Unmap, Op::Release] {
+        for nth in 1..=3u64 {
+            let (sim, e) = engine(1, 128 << 20);
+            let data: Vec<Vec<u8>> = (0..3).map(|i| bf16_like(size, 50 + i)).collect();
+            let addrs: Vec<u64> = data.iter().map(|d| weights(&e, d)).collect();
+            sim.inject_fault(op, nth, CUDA_ERROR_UNKNOWN).unwrap();
+            let slept = e.sleep(&["weights"]);
+            let asleep = e.stats().asleep_allocations;
+            match op {
+                Op::Unmap => {
+                    let err = slept.unwrap_err();
+                    assert!(err.to_string().contains("unmap"), "{err}");
+                    assert_eq!(asleep, 2, "{op:?}#{nth}");
+                    assert_eq!(sim.counts().mapped_bytes, size, "{op:?}#{nth}");
+                }
+
+                _ => {
+                    slept.unwrap();
+                    assert_eq!(asleep, 3, "{op:?}#{nth}");
+                    assert!(
+                        e.errors().iter().any(|r| r.contains("queued for retry")),
+                        "{:?}",
+                        e.errors()
+                    );
+                }
+            }
+            e.wake(None::<&[&str]>).unwrap();
+            for (a, d) in addrs.iter().zip(&data) {
+                assert!(e.read(*a, size).unwrap() == *d, "{op:?}#{nth}");
+            }
+            e.close().unwrap();
+            assert_no_leaks(&sim);
+        }
+    }
+}
+
+#[test]
+fn a_wake_group_unmapped_under_the_codec_keeps_every_member_awake_when_its_unmap_fails() {
+    // After a wake the three allocations share one handle; the compressed sleep unmaps it once all three
+    // backups are complete. If that one unmap fails, every member stays awake with its data, and a later sleep
+    // and wake succeed.
+    let size = 4 * (2 << 20);
+    let (sim, e) = engine(1, 128 << 20);
+    let data: Vec<Vec<u8>> = (0..3).map(|i| bf16_like(size, 60 + i)).collect();
+    let addrs: Vec<u64> = data.iter().map(|d| weights(&e, d)).collect();
+    e.sleep(&["weights"]).unwrap();
+    e.wake(None::<&[&str]>).unwrap();
+    assert_eq!(e.stats().wake_groups, 1);
+    e.set_retain_backups(false).unwrap();
+    sim.inject_fault(Op::Unmap, 1, CUDA_ERROR_UNKNOWN).unwrap();
+    let err = e.sleep(&["weights"]).unwrap_err();
+    assert!(err.to_string().contains("unmap"), "{err}");
+    assert_eq!(e.stats().asleep_allocations, 0);
+    assert_eq!(sim.counts().mapped_bytes, 3 * size);
+    for (a, d) in addrs.iter().zip(&data) {
+        assert!(e.read(*a, size).unwrap() == *d);
+    }
+    let rep = e.sleep(&["weights"]).unwrap();
+    assert_eq!(rep.raw_bytes, 3 * size);
+    e.wake(None::<&[&str]>).unwrap();
+    for (a, d) in addrs.iter().zip(&data) {
+        assert!(e.read(*a, size).unwrap() == *d);
+    }
+    e.close().unwrap();
+    assert_no_leaks(&sim);
+}

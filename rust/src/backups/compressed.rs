@@ -16,6 +16,7 @@
 //! larger fingerprint chunk turns compression off (backups are raw). A backup that goes to a spill file is
 //! compressed by the file tier's own pipeline (file_packed.rs), through its staging ring.
 
+use std::cell::RefCell;
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 
@@ -144,6 +145,10 @@ pub struct PackedSleep {
     pub chunks_checked: usize,
     pub skipped_bytes: usize,
     pub copied_bytes: usize,
+    /// The codec failed part way: why, and the allocations it did not finish (to be copied raw, their retained
+    /// backups unusable). Those it finished have their backups above, and `complete` was called for them.
+    pub failed: Option<Error>,
+    pub unpacked: Vec<DevPtr>,
 }
 
 impl BackupStore {
@@ -201,8 +206,15 @@ impl BackupStore {
 
     /// Sleep: compressed backups of `jobs` (fresh) and of `retained` (allocations with a retained compressed
     /// backup: only their changed chunks are compressed again). `raw_after`: raw bytes the same sleep copies raw
-    /// next (a cached buffer they fit is left to them). Nothing is released here; on error nothing changed (the
-    /// arenas taken go back) and the caller copies these allocations raw.
+    /// next (a cached buffer they fit is left to them).
+    ///
+    /// With `complete`, `complete(addr)` is called as soon as an allocation's backup is wholly in host memory,
+    /// while the codec goes on with the others: the caller may release its device memory then (overlapping the
+    /// releases with the codec: H200, 1024 allocations of 12 MiB spent 28-42 ms releasing after 160 ms of
+    /// compressing). Such an allocation always gets its backup in the result. A failure before the first
+    /// `complete` (or at all, without `complete`) is an `Err` with nothing changed (the arenas taken go back);
+    /// after it, the result says what failed and which allocations were not finished (`PackedSleep::failed`,
+    /// `unpacked`): the caller copies those raw.
     pub fn pack(
         &mut self,
         reg: &Registry,
@@ -210,6 +222,7 @@ impl BackupStore {
         retained: &[DevPtr],
         raw_after: usize,
         log: &mut ErrorLog,
+        mut complete: Option<&mut dyn FnMut(DevPtr)>,
     ) -> Result<PackedSleep> {
         let driver = self.driver.clone();
         let codec = (driver.codec()).ok_or_else(|| Error::InvalidState("no codec".into()))?;
@@ -250,12 +263,25 @@ impl BackupStore {
                 todo.entry((*dev, *kind)).or_default().push((n, i));
             }
         }
+        // Chunks of each allocation still to be compressed: at 0 its backup is complete.
+        let mut left = vec![0usize; all.len()];
+        for &(n, _) in todo.values().flatten() {
+            left[n] += 1;
+        }
+        let mut any_complete = false;
+        if let Some(complete) = complete.as_mut() {
+            for (n, _) in left.iter().enumerate().filter(|(_, l)| **l == 0) {
+                complete(all[n].0); // a retained backup with no chunk changed
+                any_complete = true;
+            }
+        }
         let ratio = self.ratio_guess;
         let mut placer = Placer::new(self, ratio, raw_after);
         // Raw bytes of the ranges given to the codec.
         let mut raw_compressed = 0;
         // (arena index, offset, stored) of each compressed chunk.
         let mut made: HashMap<(usize, usize), (usize, usize, Stored)> = HashMap::new();
+        let mut failed = None;
         for ((dev, kind), list) in &todo {
             let ranges: Vec<(DevPtr, usize)> = (list.iter())
                 .map(|&(n, i)| {
@@ -267,34 +293,55 @@ impl BackupStore {
                 .collect();
             let mut rest: usize = ranges.iter().map(|r| r.1).sum();
             raw_compressed += rest;
-            let mut places = Vec::with_capacity(ranges.len());
-            let stored = codec.compress_to_host(*dev, &ranges, *kind, &mut |i, len| {
-                let (a, off) = placer.place(len, ranges[i].1, rest)?;
-                rest = rest.saturating_sub(ranges[i].1);
-                places.push((a, off));
-                Ok(placer.arenas[a].at(off))
-            });
-            let stored = match stored {
-                Ok(s) => s,
-                Err(e) => {
-                    // The arenas go back (cached or to the OS); nothing points into them.
-                    for a in placer.arenas {
-                        let _ = placer.store.host.give_back(a);
+            let places = RefCell::new(Vec::with_capacity(ranges.len()));
+            let answered = codec.compress_to_host(
+                *dev,
+                &ranges,
+                *kind,
+                &mut |i, len| {
+                    let (a, off) = placer.place(len, ranges[i].1, rest)?;
+                    rest = rest.saturating_sub(ranges[i].1);
+                    places.borrow_mut().push((a, off));
+                    Ok(placer.arenas[a].at(off))
+                },
+                &mut |k, stored| {
+                    let &(a, off) = places.borrow().get(k).ok_or_else(|| {
+                        Error::InvalidState(format!("codec finished blob {k} before placing it"))
+                    })?;
+                    let (n, i) = list[k];
+                    if made.insert((n, i), (a, off, stored)).is_some() {
+                        return Err(Error::InvalidState(format!(
+                            "codec finished blob {k} twice"
+                        )));
                     }
-                    self.record_host_fallbacks(log);
-                    return Err(e);
-                }
-            };
-            if stored.len() != ranges.len() || places.len() != ranges.len() {
-                return Err(Error::InvalidState(format!(
+                    left[n] -= 1;
+                    if let Some(complete) = complete.as_mut().filter(|_| left[n] == 0) {
+                        complete(all[n].0);
+                        any_complete = true;
+                    }
+                    Ok(())
+                },
+            );
+            let answered = answered.and_then(|stored| match stored.len() == ranges.len() {
+                true => Ok(()),
+                false => Err(Error::InvalidState(format!(
                     "codec answered {} blobs for {} ranges",
                     stored.len(),
                     ranges.len()
-                )));
+                ))),
+            });
+            if let Err(e) = answered {
+                failed = Some(e);
+                break;
             }
-            for (k, &(n, i)) in list.iter().enumerate() {
-                made.insert((n, i), (places[k].0, places[k].1, stored[k]));
+        }
+        if let Some(e) = failed.take_if(|_| !any_complete) {
+            // Nothing finished: the arenas go back (cached or to the OS); nothing points into them.
+            for a in placer.arenas {
+                let _ = placer.store.host.give_back(a);
             }
+            self.record_host_fallbacks(log);
+            return Err(e);
         }
         let t = std::time::Instant::now();
         let skipped = placer.skipped;
@@ -318,7 +365,12 @@ impl BackupStore {
         );
         let host_decode = self.host_decode();
         let (mut guess_raw, mut guess_stored) = (0usize, 0usize);
+        out.failed = failed;
         for (n, (addr, _, size, kind, old)) in all.into_iter().enumerate() {
+            if left[n] > 0 {
+                out.unpacked.push(addr); // the codec failed before finishing it
+                continue;
+            }
             let blobs: Vec<Blob> = (0..size.div_ceil(chunk))
                 .map(|i| match made.get(&(n, i)) {
                     Some(&(a, offset, stored)) => Blob {

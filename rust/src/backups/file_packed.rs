@@ -178,17 +178,24 @@ pub(super) fn write_packed(
             .collect();
         let base = ring.slot_ptr(slot).0;
         let (mut cursor, mut offsets) = (0usize, Vec::with_capacity(n));
-        let stored = dev_codec.compress_to_host(job.device, &ranges, job.kind, &mut |_, len| {
-            if cursor + len > ring.slot_size() {
-                return Err(Error::InvalidState(format!(
-                    "the codec's blobs overflow a staging slot ({} bytes)",
-                    ring.slot_size()
-                )));
-            }
-            offsets.push(cursor);
-            cursor += len;
-            Ok(HostPtr(base + cursor - len))
-        })?;
+        let stored = dev_codec.compress_to_host(
+            job.device,
+            &ranges,
+            job.kind,
+            &mut |_, len| {
+                if cursor + len > ring.slot_size() {
+                    return Err(Error::InvalidState(format!(
+                        "the codec's blobs overflow a staging slot ({} bytes)",
+                        ring.slot_size()
+                    )));
+                }
+                offsets.push(cursor);
+                cursor += len;
+                Ok(HostPtr(base + cursor - len))
+            },
+            // The blobs are complete once the slot is written to the file, not before: nothing to tell.
+            &mut |_, _| Ok(()),
+        )?;
         let st = &mut state[j];
         for (off, s) in offsets.iter().zip(stored) {
             st.blobs.push(FileBlob {

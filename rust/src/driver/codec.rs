@@ -60,6 +60,11 @@ pub struct RestoreItem {
 /// to write it to (pinned memory of the store's, live until the store drops the backup).
 pub type PlaceFn<'a> = dyn FnMut(usize, usize) -> Result<HostPtr> + 'a;
 
+/// `compress_to_host`'s hook: called with a range's index and what it was stored as once its blob is wholly in
+/// host memory (its copies finished), in order, once per range. From then on the caller may release the range's
+/// device memory, though the call goes on with the ranges after it. An error from it ends the call with that error.
+pub type DoneFn<'a> = dyn FnMut(usize, Stored) -> Result<()> + 'a;
+
 /// Compression of device ranges into host memory and back. Both calls are synchronous: they return when every
 /// byte is where it belongs (they may pipeline inside, over a bounded staging ring of their own).
 pub trait DeviceCodec: Send + Sync {
@@ -73,14 +78,16 @@ pub trait DeviceCodec: Send + Sync {
     }
 
     /// Compress the device ranges `ranges` ((addr, len) on `device`, each at most 2 MiB; the device work that
-    /// wrote them has finished) and write each blob where `place(index, blob_len)` says. On error nothing placed
-    /// may be used (the caller falls back to raw copies).
+    /// wrote them has finished) and write each blob where `place(index, blob_len)` says, telling `done` of each
+    /// blob as it is complete. On error the blobs `done` was told of are complete and usable; nothing else placed
+    /// may be used (the caller falls back to raw copies for those ranges).
     fn compress_to_host(
         &self,
         device: i32,
         ranges: &[(DevPtr, usize)],
         kind: DataKind,
         place: &mut PlaceFn<'_>,
+        done: &mut DoneFn<'_>,
     ) -> Result<Vec<Stored>>;
 
     /// Restore every item's blob into its device range. `ready(i)` is called for each item, in order, before

@@ -42,15 +42,21 @@ pub fn round_trip(
     let host = driver.host_alloc(len)?;
     let at = |i: usize| HostPtr(host.0 + i * RANGE);
     let result = (|| {
-        let stored = codec.compress_to_host(device, &ranges, kind, &mut |i, blob_len| {
-            if blob_len > ranges[i].1 {
-                return Err(Error::InvalidState(format!(
-                    "the codec asked {blob_len} bytes for a range of {}",
-                    ranges[i].1
-                )));
-            }
-            Ok(at(i))
-        })?;
+        let stored = codec.compress_to_host(
+            device,
+            &ranges,
+            kind,
+            &mut |i, blob_len| {
+                if blob_len > ranges[i].1 {
+                    return Err(Error::InvalidState(format!(
+                        "the codec asked {blob_len} bytes for a range of {}",
+                        ranges[i].1
+                    )));
+                }
+                Ok(at(i))
+            },
+            &mut |_, _| Ok(()),
+        )?;
         let items: Vec<RestoreItem> = ranges
             .iter()
             .zip(&stored)

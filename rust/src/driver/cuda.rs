@@ -13,7 +13,7 @@ use std::sync::OnceLock;
 
 use cudarc::driver::sys::{self, CUresult};
 
-use super::codec::{DataKind, DeviceCodec, PlaceFn, ReadyFn, RestoreItem, Stored};
+use super::codec::{DataKind, DeviceCodec, DoneFn, PlaceFn, ReadyFn, RestoreItem, Stored};
 use super::cuda_check::check;
 use super::cuda_codec::{self, CodecRing};
 use super::cuda_fingerprint::FingerprintKernel;
@@ -635,10 +635,11 @@ impl DeviceCodec for CudaDriver {
         ranges: &[(DevPtr, usize)],
         kind: DataKind,
         place: &mut PlaceFn<'_>,
+        done: &mut DoneFn<'_>,
     ) -> Result<Vec<Stored>> {
         let (st, _ctx) = self.enter(device)?;
         let ring = (st.codec.as_ref()).map_err(|why| cuda_codec::no_ring(true, device, why))?;
-        ring.compress(st.copy_stream, ranges, kind, place)
+        ring.compress(st.copy_stream, ranges, kind, place, done)
     }
 
     fn decompress_from_host(

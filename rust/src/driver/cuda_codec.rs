@@ -305,7 +305,13 @@ impl CodecRing {
         let host = PinnedScratch::new(n)?;
         let host_ptr = HostPtr(host.0 as usize);
         for kind in [DataKind::Bytes, DataKind::Bits8, DataKind::Bits16] {
-            let stored = self.compress(self.stream, &[(src, n)], kind, &mut |_, _| Ok(host_ptr))?;
+            let stored = self.compress(
+                self.stream,
+                &[(src, n)],
+                kind,
+                &mut |_, _| Ok(host_ptr),
+                &mut |_, _| Ok(()),
+            )?;
             if stored[0].raw {
                 return Err(codec_error(
                     OP_COMPRESS,

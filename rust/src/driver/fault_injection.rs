@@ -8,7 +8,7 @@ use std::collections::HashMap;
 
 use parking_lot::Mutex;
 
-use super::codec::{DataKind, DeviceCodec, PlaceFn, ReadyFn, RestoreItem, Stored};
+use super::codec::{DataKind, DeviceCodec, DoneFn, PlaceFn, ReadyFn, RestoreItem, Stored};
 use super::{copy_from_slice, copy_to_slice, DevPtr, DeviceInfo, Driver, HostPtr, Op, PhysHandle};
 use crate::error::{cuda_code, Error, Result};
 use crate::fingerprint::Fingerprint;
@@ -292,13 +292,20 @@ impl<D: Driver> DeviceCodec for FaultInjector<D> {
         ranges: &[(DevPtr, usize)],
         kind: DataKind,
         place: &mut PlaceFn<'_>,
+        done: &mut DoneFn<'_>,
     ) -> Result<Vec<Stored>> {
         self.enter(Op::Compress)?;
         let codec = self
             .inner
             .codec()
             .expect("offered only with the inner codec");
-        codec.compress_to_host(device, ranges, kind, place)
+        // Each finished blob counts as a call of `CompressBlob`: a fault there fails the compression after the
+        // blobs before it are complete (and may have been released by the caller).
+        let mut counted = |i: usize, stored: Stored| {
+            self.enter(Op::CompressBlob)?;
+            done(i, stored)
+        };
+        codec.compress_to_host(device, ranges, kind, place, &mut counted)
     }
 
     fn decompress_from_host(

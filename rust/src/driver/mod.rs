@@ -102,12 +102,15 @@ pub enum Op {
     /// The codec's calls (`codec::DeviceCodec`): a sleep's compression, a wake's decompression, and a
     /// decompression that succeeds with wrong bytes (fault injection only: what the wake's verify must catch).
     Compress,
+    /// A blob the codec finished within a sleep's compression (counted by fault injection only, to fail a
+    /// compression part way).
+    CompressBlob,
     Decompress,
     CorruptDecompress,
 }
 
 impl Op {
-    pub const ALL: [Op; 21] = [
+    pub const ALL: [Op; 22] = [
         Op::Reserve,
         Op::FreeRange,
         Op::Create,
@@ -127,6 +130,7 @@ impl Op {
         Op::Fingerprint,
         Op::ThreadSpawn,
         Op::Compress,
+        Op::CompressBlob,
         Op::Decompress,
         Op::CorruptDecompress,
     ];
@@ -152,6 +156,7 @@ impl Op {
             Op::Fingerprint => "fingerprint",
             Op::ThreadSpawn => "thread_spawn",
             Op::Compress => "compress",
+            Op::CompressBlob => "compress_blob",
             Op::Decompress => "decompress",
             Op::CorruptDecompress => "decompress_corrupt",
         }

@@ -17,7 +17,7 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use super::codec::{DataKind, PlaceFn, ReadyFn, RestoreItem, Stored, RAW_RATIO};
+use super::codec::{DataKind, DoneFn, PlaceFn, ReadyFn, RestoreItem, Stored, RAW_RATIO};
 use super::{copy_from_slice, copy_to_slice, DevPtr, Driver, HostPtr};
 use crate::error::{cuda_code, Error, Result};
 
@@ -193,6 +193,7 @@ pub fn compress_ranges(
     ranges: &[(DevPtr, usize)],
     kind: DataKind,
     place: &mut PlaceFn<'_>,
+    done: &mut DoneFn<'_>,
 ) -> Result<Vec<Stored>> {
     let mut out = Vec::with_capacity(ranges.len());
     let mut raw = Vec::new();
@@ -225,6 +226,7 @@ pub fn compress_ranges(
         if stored.raw {
             raw = bytes; // reuse the buffer
         }
+        done(i, stored)?; // written synchronously: complete now
         out.push(stored);
     }
     Ok(out)

@@ -70,6 +70,11 @@ impl Groups {
         self.by_id.len()
     }
 
+    /// The live group `id`.
+    pub fn get(&self, id: u64) -> Option<&Group> {
+        self.by_id.get(&id)
+    }
+
     /// Bytes of freed members still held by live groups.
     pub fn unreturned(&self) -> usize {
         self.by_id
@@ -182,12 +187,29 @@ impl Engine {
         backup: Option<Backup>,
         report: &mut Report,
     ) -> Result<()> {
+        let driver = &*self.driver;
+        self.release_member_with(inner, id, addr, backup, report, |g| {
+            driver.unmap(g.addr, g.size)
+        })
+    }
+
+    /// `release_member` with the group's unmap done by `unmap` (a compressed sleep unmaps a group whose members'
+    /// backups are all complete while the codec still runs, and passes on the result).
+    pub(super) fn release_member_with(
+        &self,
+        inner: &mut Inner,
+        id: u64,
+        addr: DevPtr,
+        backup: Option<Backup>,
+        report: &mut Report,
+        unmap: impl FnOnce(&Group) -> Result<()>,
+    ) -> Result<()> {
         let g = inner.groups.by_id.get_mut(&id).expect("live group");
         g.ready.push((addr, backup));
         if g.ready.len() < g.live {
             return Ok(());
         }
-        if let Err(e) = self.driver.unmap(g.addr, g.size) {
+        if let Err(e) = unmap(g) {
             g.ready.clear();
             return Err(e);
         }

@@ -3,6 +3,7 @@
 
 use crate::address_space::AddressSpace;
 use crate::driver::{DevPtr, Driver, PhysHandle};
+use crate::error::Error;
 use crate::error_log::ErrorLog;
 
 /// A driver release that failed after the point of no return, retried by later calls.
@@ -71,9 +72,14 @@ impl PendingReleases {
         handle: PhysHandle,
     ) {
         if let Err(e) = driver.release(handle) {
-            log.record("release of a physical handle (queued for retry)", &e);
-            self.queue.push(Pending::Release(handle));
+            self.retry_release(log, handle, &e);
         }
+    }
+
+    /// A release of `handle` that failed with `e`: recorded, and queued for retry.
+    pub(super) fn retry_release(&mut self, log: &mut ErrorLog, handle: PhysHandle, e: &Error) {
+        log.record("release of a physical handle (queued for retry)", e);
+        self.queue.push(Pending::Release(handle));
     }
 
     /// Give [addr, addr+size) back to the address space; a slab it empties is freed (or queued for retry).

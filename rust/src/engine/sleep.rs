@@ -62,7 +62,9 @@ impl Engine {
     /// Back up `backed`, then release `backed` and `bare` (awake allocations).
     ///
     /// Order: synchronize; choose each backup's tier (files past the host budget: space, file and staging ring
-    /// had here) and take the host arena (the last points that may fail with nothing queued); fingerprint
+    /// had here); compress the host backups of tags that compress, releasing each of those allocations as soon as
+    /// its backup is complete; take the host arena for the rest (the last points that may fail with nothing more
+    /// queued: what the codec put to sleep stays asleep with its complete backup); fingerprint
     /// every offloaded allocation; queue the backup copies of those without a retained backup (pinning a cold
     /// arena cell by cell meanwhile, or releasing finished cells as it goes into a pinned one); queue the copies
     /// of changed chunks into retained host backups; release the allocations that need no backup while those
@@ -87,7 +89,6 @@ impl Engine {
         let t = Instant::now();
         self.synchronize_devices(inner, &targets)?;
         let t = phases.add("synchronize", t);
-        let mut report = Report::default();
         // Not offloaded this time: a retained backup of these would go stale.
         inner.backups.drop_retained(&bare);
         let mut retained = inner.backups.split_retained(&mut backed);
@@ -119,9 +120,12 @@ impl Engine {
         let (backed, spill) = Self::plan_tiers(inner, &backed)?;
         let t = phases.add("plan", t);
 
-        // 0b. Compress the host backups of tags that compress (complete when it returns; nothing released yet;
-        //     on failure they are copied raw below).
-        let (mut backed, packed, unplanned) = self.pack_backups(inner, backed, packed_retained);
+        // 0b. Compress the host backups of tags that compress, without a host budget releasing each as its
+        //     backup is complete (then asleep when it returns; what the codec did not finish is copied raw below).
+        let mut report = Report::default();
+        let mut first_err = None;
+        let (mut backed, packed, unplanned) =
+            self.pack_backups(inner, backed, packed_retained, &mut report, &mut first_err);
         let t = phases.add("compress", t);
         let mut spill = spill;
         if !unplanned.is_empty() {
@@ -137,7 +141,8 @@ impl Engine {
             match Self::plan_tiers(inner, &again) {
                 Ok(plan) => (backed, spill) = plan,
                 Err(e) => {
-                    // Refused with nothing released: the compressed backups made go unused.
+                    // Refused with nothing (more) released: the compressed backups not yet asleep go unused.
+                    Self::note_asleep_before_refusal(inner, &packed, &e);
                     drop(packed);
                     inner.backups.collect_unused(&mut inner.log);
                     return Err(e);
@@ -152,8 +157,9 @@ impl Engine {
             _ => match inner.backups.sleep_arena(total, &mut inner.log) {
                 Ok(arena) => Some(arena),
                 Err(e) => {
-                    // Refused with nothing released; the retained backups dropped above may have left arenas
-                    // unused.
+                    // Refused with nothing (more) released; the retained backups dropped above may have left
+                    // arenas unused.
+                    Self::note_asleep_before_refusal(inner, &packed, &e);
                     inner.backups.collect_unused(&mut inner.log);
                     return Err(e);
                 }
@@ -175,7 +181,6 @@ impl Engine {
 
         let t = phases.add("prints", t);
         // 3. Queue the backup copies.
-        let mut first_err = None;
         let mut copies = SleepCopies::default();
         if let Some(arena) = arena {
             copies = self.issue_backups(inner, arena, &jobs, &mut report, &mut first_err);
@@ -192,13 +197,17 @@ impl Engine {
             first_err.get_or_insert(e);
         }
 
-        // 5. While the copies run, release what needs no backup, and what has its compressed backup already.
+        // 5. While the copies run, release what needs no backup; keep the prints of the compressed ones asleep.
         for addr in bare {
             if let Err(e) = self.release_to_sleep(inner, addr, None, &mut report) {
                 first_err.get_or_insert(e);
             }
         }
-        self.release_packed(inner, packed, &mut prints, &mut report, &mut first_err);
+        let retaining = inner.backups.retaining();
+        let packed_prints = self.finish_packed(inner, packed, &mut report, &mut first_err);
+        for (addr, fps) in packed_prints {
+            prints.add_packed(addr, fps, retaining);
+        }
         let t = phases.add("release", t);
 
         // 6. As the remaining cells finish, release the allocations whose backup is complete.
@@ -251,6 +260,25 @@ impl Engine {
         inner.counters.sleeps += 1;
         inner.counters.last_sleep = Some(report.clone());
         first_err.map_or(Ok(report), Err)
+    }
+
+    /// A sleep refused after its codec had put allocations to sleep (released as their backups were complete):
+    /// the refusal says every allocation stays awake, so the log says which did not.
+    fn note_asleep_before_refusal(
+        inner: &mut Inner,
+        packed: &super::compress::PackedBackups,
+        e: &Error,
+    ) {
+        if let super::compress::PackedBackups::Asleep(prints) = packed {
+            if !prints.is_empty() {
+                let what = format!(
+                    "sleep refused after {} allocations had gone to sleep with their compressed backups (they stay \
+                     asleep)",
+                    prints.len()
+                );
+                inner.log.record(&what, e);
+            }
+        }
     }
 
     /// Which of `backed` go to a spill file (`BackupStore::plan_tiers`): (host tier, planned file sleep).

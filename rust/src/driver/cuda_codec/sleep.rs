@@ -1,5 +1,7 @@
 //! Sleep through the ring: ranges compressed batch by batch into slots on the codec stream, their blobs copied
-//! device->host on the copy stream while the next batch compresses (see the parent module).
+//! device->host on the copy stream while the next batch compresses (see the parent module). Once a slot's copies
+//! are waited for (the slot being reused, or the drain at the end), its ranges are complete and `done` is told,
+//! so the caller releases their device memory while the later batches compress.
 
 use std::time::Instant;
 
@@ -11,11 +13,26 @@ use super::{
     chunk, chunk_failure, codec_error, data_type, event_sync, record, CodecRing, Slot, Work,
     IN_BYTES, IN_PTRS, OP_COMPRESS, OUT_BYTES, OUT_PTRS, SLOTS, STATUS_FIELD,
 };
-use crate::driver::codec::{DataKind, PlaceFn, Stored, RAW_RATIO};
+use crate::driver::codec::{DataKind, DoneFn, PlaceFn, Stored, RAW_RATIO};
 use crate::driver::cuda_check::check;
 use crate::driver::{nvcomp, DevPtr};
 use crate::error::Result;
 use crate::timing::Phases;
+
+/// How many ranges `done` was told of, in order.
+#[derive(Default)]
+pub(super) struct Told(usize);
+
+impl Told {
+    /// Tell `done` of every range before `end` not yet told.
+    fn upto(&mut self, end: usize, stored: &[Stored], done: &mut DoneFn<'_>) -> Result<()> {
+        while self.0 < end {
+            done(self.0, stored[self.0])?;
+            self.0 += 1;
+        }
+        Ok(())
+    }
+}
 
 impl CodecRing {
     /// Compress `ranges` to host blobs (the trait's `compress_to_host`), `copy` being the device's copy stream.
@@ -25,19 +42,37 @@ impl CodecRing {
         ranges: &[(DevPtr, usize)],
         kind: DataKind,
         place: &mut PlaceFn<'_>,
+        done: &mut DoneFn<'_>,
     ) -> Result<Vec<Stored>> {
         let mut phases = Phases::new("nvcomp compress");
         let mut work = self.work.lock();
-        let result = self.compress_locked(&mut work, copy, ranges, kind, place, &mut phases);
+        let mut told = Told::default();
+        let result = self.compress_locked(
+            &mut work,
+            copy,
+            ranges,
+            kind,
+            place,
+            done,
+            &mut told,
+            &mut phases,
+        );
         // Synchronous by contract, and on error no copy may still write into placed memory.
         let t = Instant::now();
         let drained = self.drain(&mut work, copy);
-        phases.add("drain", t);
+        let t = phases.add("drain", t);
+        let stored = result.and_then(|stored| drained.map(|()| stored));
+        // Every copy has finished: the rest are complete.
+        let stored = stored.and_then(|stored| {
+            told.upto(stored.len(), &stored, done)?;
+            Ok(stored)
+        });
+        phases.add("done", t);
         phases.log();
-        let stored = result?;
-        drained.map(|()| stored)
+        stored
     }
 
+    #[allow(clippy::too_many_arguments)]
     fn compress_locked(
         &self,
         work: &mut Work,
@@ -45,6 +80,8 @@ impl CodecRing {
         ranges: &[(DevPtr, usize)],
         kind: DataKind,
         place: &mut PlaceFn<'_>,
+        done: &mut DoneFn<'_>,
+        told: &mut Told,
         phases: &mut Phases,
     ) -> Result<Vec<Stored>> {
         let (ty, width) = data_type(kind);
@@ -52,6 +89,8 @@ impl CodecRing {
         let mut stored = Vec::with_capacity(ranges.len());
         let mut copies = D2hCopies::default();
         let (mut start, mut batch) = (0, 0);
+        // Where each batch's ranges end, for `done` once its slot's copies were waited for.
+        let mut ends = Vec::new();
         while start < ranges.len() {
             // A batch: the next whole ranges whose chunks fit one slot (at least one range: raw ones count 0).
             let (mut end, mut chunks) = (start, 0);
@@ -115,7 +154,14 @@ impl CodecRing {
             // `place` gave its length; the slot is not reused before `done`, recorded after these copies.
             unsafe { copies.queue(copy, self.ordinal, self.batch_copies)? };
             record(slot.done, copy)?;
-            phases.add("queue copies", t);
+            t = phases.add("queue copies", t);
+            // The slot's previous batch (waited for above) is complete: told now, with this batch's copies
+            // queued behind the others, so that what the caller does with it (releases) runs under them.
+            if batch >= SLOTS {
+                told.upto(ends[batch - SLOTS], &stored, done)?;
+                phases.add("done", t);
+            }
+            ends.push(end);
             start = end;
             batch += 1;
         }

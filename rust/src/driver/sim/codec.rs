@@ -5,7 +5,7 @@
 //! such range must stay inside one host registration (CUDA refuses an async copy that spans two).
 
 use super::{cuda_err, Emulator};
-use crate::driver::codec::{DataKind, DeviceCodec, PlaceFn, ReadyFn, RestoreItem, Stored};
+use crate::driver::codec::{DataKind, DeviceCodec, DoneFn, PlaceFn, ReadyFn, RestoreItem, Stored};
 use crate::driver::sim_codec::{compress_ranges, decompress_items};
 use crate::driver::{DevPtr, Op};
 use crate::error::{cuda_code, Result};
@@ -37,6 +37,7 @@ impl DeviceCodec for Emulator {
         ranges: &[(DevPtr, usize)],
         kind: DataKind,
         place: &mut PlaceFn<'_>,
+        done: &mut DoneFn<'_>,
     ) -> Result<Vec<Stored>> {
         let mut checked = |i: usize, len: usize| {
             let dst = place(i, len)?;
@@ -50,6 +51,7 @@ impl DeviceCodec for Emulator {
             ranges,
             kind,
             &mut checked,
+            done,
         )
     }
 
