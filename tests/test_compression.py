@@ -110,6 +110,21 @@ def test_every_mode_round_trips_and_off_stores_raw(sim, mode):
     assert sim.read(addr, len(data)) == data
 
 
+def test_a_compression_failing_part_way_keeps_what_it_finished_and_copies_the_rest_raw(sim):
+    """The codec fails at the third blob: the first allocation (two 2 MiB chunks) was complete and released under
+    the codec, so it sleeps compressed; the other is copied raw by the same sleep. Both wake intact."""
+    size = 2 * (2 << 20)
+    datas = [bf16_like(size, 11), bf16_like(size, 12)]
+    addrs = [weights(sim, d) for d in datas]
+    sim.inject_fault("compress_blob", 3, "unknown")
+    report = sim.sleep(["weights"])
+    assert (report["raw_bytes"], report["copied_bytes"]) == (size, 2 * size)
+    assert sim.stats()["asleep_allocations"] == 2 and sim.stats()["mapped_bytes"] == 0
+    assert any("compress" in e and "raw" in e for e in sim.errors()), sim.errors()
+    sim.wake_up(None)
+    assert [sim.read(a, size) for a in addrs] == datas
+
+
 @pytest.mark.parametrize("bad", ["zip", "", "OFF", 16, None, ["auto"]])
 def test_a_bad_compress_value_is_refused_naming_the_argument(sim, bad):
     with pytest.raises((CumemValueError, cumem_rs.CumemTypeError), match="compress"):

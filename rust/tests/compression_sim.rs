@@ -716,6 +716,22 @@ fn a_wake_group_unmapped_under_the_codec_keeps_every_member_awake_when_its_unmap
     for (a, d) in addrs.iter().zip(&data) {
         assert!(e.read(*a, size).unwrap() == *d);
     }
+    // The group's handle is released under the codec too: a failure there puts every member to sleep with its
+    // backup and queues the handle for retry.
+    assert_eq!(e.stats().wake_groups, 1);
+    sim.inject_fault(Op::Release, 1, CUDA_ERROR_UNKNOWN)
+        .unwrap();
+    e.sleep(&["weights"]).unwrap();
+    assert_eq!(e.stats().asleep_allocations, 3);
+    assert!(
+        e.errors().iter().any(|r| r.contains("queued for retry")),
+        "{:?}",
+        e.errors()
+    );
+    e.wake(None::<&[&str]>).unwrap();
+    for (a, d) in addrs.iter().zip(&data) {
+        assert!(e.read(*a, size).unwrap() == *d);
+    }
     e.close().unwrap();
     assert_no_leaks(&sim);
 }

@@ -29,7 +29,7 @@ pub(super) type PackedPrints = Vec<(DevPtr, Vec<Fingerprint>)>;
 /// or made and not yet released (`put_packed_to_sleep` later, or dropped if the sleep is refused before).
 pub(super) enum PackedBackups {
     Asleep(PackedPrints),
-    Made(PackedSleep, EarlyReleases),
+    Made(Box<(PackedSleep, EarlyReleases)>),
 }
 
 /// What became of an allocation released while `pack` ran: unmapped (its handle released, or the release's
@@ -46,8 +46,8 @@ pub(super) struct EarlyReleases {
     own: HashMap<DevPtr, Early>,
     /// Members complete so far, per group.
     members_done: HashMap<u64, usize>,
-    /// The groups unmapped (or whose unmap failed): their handles are released with the group after `pack`.
-    groups: HashMap<u64, Result<()>>,
+    /// The groups unmapped, with what came of releasing their handle, or whose unmap failed.
+    groups: HashMap<u64, Result<Option<Result<()>>>>,
 }
 
 impl Engine {
@@ -149,7 +149,7 @@ impl Engine {
             unplanned.extend(lost);
         }
         if early.own.is_empty() && early.members_done.is_empty() {
-            return (raw, PackedBackups::Made(packed, early), unplanned);
+            return (raw, PackedBackups::Made(Box::new((packed, early))), unplanned);
         }
         // Some are released: all of them go to sleep now, before anything else may refuse the sleep.
         let (n_own, n_groups) = (early.own.len(), early.groups.len());
@@ -174,7 +174,8 @@ impl Engine {
     ) -> PackedPrints {
         match packed {
             PackedBackups::Asleep(prints) => prints,
-            PackedBackups::Made(packed, early) => {
+            PackedBackups::Made(made) => {
+                let (packed, early) = *made;
                 self.put_packed_to_sleep(inner, packed, early, report, first_err)
             }
         }
@@ -206,7 +207,9 @@ impl Engine {
                 let done = early.members_done.entry(id).or_default();
                 *done += 1;
                 if *done == g.live {
-                    early.groups.insert(id, self.driver.unmap(g.addr, g.size));
+                    let released = (self.driver.unmap(g.addr, g.size))
+                        .map(|()| Some(self.driver.release(g.handle)));
+                    early.groups.insert(id, released);
                 }
             }
         }

@@ -189,12 +189,14 @@ impl Engine {
     ) -> Result<()> {
         let driver = &*self.driver;
         self.release_member_with(inner, id, addr, backup, report, |g| {
-            driver.unmap(g.addr, g.size)
+            driver.unmap(g.addr, g.size).map(|()| None)
         })
     }
 
-    /// `release_member` with the group's unmap done by `unmap` (a compressed sleep unmaps a group whose members'
-    /// backups are all complete while the codec still runs, and passes on the result).
+    /// `release_member` with the group's unmap done by `unmap`, which says whether it released the handle too
+    /// (`Some`: with that result) or left that to the group's dissolving (`None`). A compressed sleep unmaps and
+    /// releases a group whose members' backups are all complete while the codec still runs, and passes on what
+    /// came of it.
     pub(super) fn release_member_with(
         &self,
         inner: &mut Inner,
@@ -202,18 +204,21 @@ impl Engine {
         addr: DevPtr,
         backup: Option<Backup>,
         report: &mut Report,
-        unmap: impl FnOnce(&Group) -> Result<()>,
+        unmap: impl FnOnce(&Group) -> Result<Option<Result<()>>>,
     ) -> Result<()> {
         let g = inner.groups.by_id.get_mut(&id).expect("live group");
         g.ready.push((addr, backup));
         if g.ready.len() < g.live {
             return Ok(());
         }
-        if let Err(e) = unmap(g) {
-            g.ready.clear();
-            return Err(e);
-        }
-        for (a, backup) in self.dissolve(inner, id) {
+        let released = match unmap(g) {
+            Ok(released) => released,
+            Err(e) => {
+                g.ready.clear();
+                return Err(e);
+            }
+        };
+        for (a, backup) in self.dissolve(inner, id, released) {
             let size = inner.reg.get(a).expect("member").size;
             if backup.is_none() {
                 report.discarded_bytes += size;
@@ -224,11 +229,20 @@ impl Engine {
         Ok(())
     }
 
-    /// After the group's unmap: forget it, release its handle, give back the addresses of its freed members;
-    /// returns its ready list.
-    fn dissolve(&self, inner: &mut Inner, id: u64) -> Vec<(DevPtr, Option<Backup>)> {
+    /// After the group's unmap: forget it, release its handle (unless `released` says how that went already),
+    /// give back the addresses of its freed members; returns its ready list.
+    fn dissolve(
+        &self,
+        inner: &mut Inner,
+        id: u64,
+        released: Option<Result<()>>,
+    ) -> Vec<(DevPtr, Option<Backup>)> {
         let g = inner.groups.by_id.remove(&id).expect("live group");
-        self.release_or_queue(inner, g.handle);
+        match released {
+            None => self.release_or_queue(inner, g.handle),
+            Some(Ok(())) => {}
+            Some(Err(e)) => (inner.pending).retry_release(&mut inner.log, g.handle, &e),
+        }
         for (a, n) in g.freed {
             self.return_address(inner, a, n);
         }
@@ -257,7 +271,7 @@ impl Engine {
         }
         let g = inner.groups.by_id.get(&id).expect("live group");
         self.driver.unmap(g.addr, g.size)?;
-        self.dissolve(inner, id);
+        self.dissolve(inner, id, None);
         self.return_address(inner, addr, size);
         Ok(())
     }
