@@ -1,7 +1,8 @@
 //! Sleep through the ring: ranges compressed batch by batch into slots on the codec stream, their blobs copied
 //! device->host on the copy stream while the next batch compresses (see the parent module). Once a slot's copies
-//! are waited for (the slot being reused, or the drain at the end), its ranges are complete and `done` is told,
-//! so the caller releases their device memory while the later batches compress.
+//! are waited for (the slot being reused, or the drain at the end), its ranges are complete and `done` is told
+//! while the next batch's kernels run, so the caller releases their device memory under the codec (the CPU
+//! drives the batches: work of its own between a batch's launch and its sizes would add to every batch).
 
 use std::time::Instant;
 
@@ -103,9 +104,20 @@ impl CodecRing {
             let t = Instant::now();
             event_sync(slot.done)?;
             phases.add("slot wait", t);
+            // The slot's previous batch (waited for above) is complete: told while this batch compresses.
+            let mut tell = |phases: &mut Phases| -> Result<()> {
+                if batch >= SLOTS {
+                    let t = Instant::now();
+                    told.upto(ends[batch - SLOTS], &stored, done)?;
+                    phases.add("done", t);
+                }
+                Ok(())
+            };
             let sizes = if chunks > 0 {
-                self.compress_batch(slot, ty, &ranges[start..end], width, chunks, phases)?
+                let batch_ranges = &ranges[start..end];
+                self.compress_batch(slot, ty, batch_ranges, width, chunks, phases, &mut tell)?
             } else {
+                tell(phases)?;
                 Vec::new()
             };
             let mut t = Instant::now();
@@ -154,13 +166,7 @@ impl CodecRing {
             // `place` gave its length; the slot is not reused before `done`, recorded after these copies.
             unsafe { copies.queue(copy, self.ordinal, self.batch_copies)? };
             record(slot.done, copy)?;
-            t = phases.add("queue copies", t);
-            // The slot's previous batch (waited for above) is complete: told now, with this batch's copies
-            // queued behind the others, so that what the caller does with it (releases) runs under them.
-            if batch >= SLOTS {
-                told.upto(ends[batch - SLOTS], &stored, done)?;
-                phases.add("done", t);
-            }
+            phases.add("queue copies", t);
             ends.push(end);
             start = end;
             batch += 1;
@@ -171,7 +177,9 @@ impl CodecRing {
         Ok(stored)
     }
 
-    /// Compress the chunks of `ranges` (`chunks` of them) into `slot` and return their compressed sizes.
+    /// Compress the chunks of `ranges` (`chunks` of them) into `slot` and return their compressed sizes; `meanwhile`
+    /// runs on the CPU while the kernels do (an error from it is returned once they finished).
+    #[allow(clippy::too_many_arguments)]
     fn compress_batch(
         &self,
         slot: &Slot,
@@ -180,6 +188,7 @@ impl CodecRing {
         width: usize,
         chunks: usize,
         phases: &mut Phases,
+        meanwhile: &mut dyn FnMut(&mut Phases) -> Result<()>,
     ) -> Result<Vec<usize>> {
         let t = Instant::now();
         let mut c = 0;
@@ -221,10 +230,14 @@ impl CodecRing {
             if !self.mapped_sizes {
                 self.d2h_table(slot, OUT_BYTES)?;
             }
-            let t = phases.add("compress launch", t);
-            check(OP_COMPRESS, sys::cuStreamSynchronize(self.stream))?;
-            phases.add("compress sync", t);
+            phases.add("compress launch", t);
         }
+        let during = meanwhile(phases);
+        let t = Instant::now();
+        // SAFETY: our own stream; synchronized whatever `meanwhile` returned, before the slot is read or reused.
+        unsafe { check(OP_COMPRESS, sys::cuStreamSynchronize(self.stream))? };
+        phases.add("compress sync", t);
+        during?;
         (0..chunks)
             .map(|c| {
                 let (status, size) = (self.status(slot, c), self.get(slot, OUT_BYTES, c) as usize);
