@@ -23,6 +23,13 @@ def bf16_like(nbytes: int, seed: int) -> bytes:
     return (x.view(np.uint32) >> 16).astype(np.uint16).tobytes()
 
 
+@pytest.fixture(autouse=True)
+def _codec_on(monkeypatch):
+    """These tests are about the sim's codec: CUMEM_RS_COMPRESS=0 in the environment (a GPU suite run with
+    compression off) must not switch it off under them."""
+    monkeypatch.delenv("CUMEM_RS_COMPRESS", raising=False)
+
+
 @pytest.fixture
 def sim():
     a = Allocator.simulated(devices=1, capacity=SIM_CAPACITY, granularity=GRAN)

@@ -13,7 +13,7 @@ import pytest
 import cumem_rs
 from cumem_rs import Allocator, CumemError
 from conftest import SIM_CAPACITY, SIM_GRANULARITY, live_counts, spill_files
-from test_compression import bf16_like, weights
+from test_compression import _codec_on, bf16_like, weights  # noqa: F401 (_codec_on: autouse here too)
 
 GRAN = SIM_GRANULARITY
 CHUNK = 64 << 10
