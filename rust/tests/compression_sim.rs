@@ -603,6 +603,14 @@ fn an_allocation_the_codec_could_not_shrink_sleeps_raw_and_is_tried_again_later(
     assert_no_leaks(&sim);
 }
 
+/// Wake everything and check that each allocation holds its data again.
+fn wake_intact(e: &Engine, addrs: &[u64], data: &[Vec<u8>], what: &str) {
+    e.wake(None::<&[&str]>).unwrap();
+    for (a, d) in addrs.iter().zip(data) {
+        assert!(e.read(*a, d.len()).unwrap() == *d, "{what}");
+    }
+}
+
 #[test]
 fn a_compression_failing_part_way_keeps_the_finished_backups_and_copies_the_rest_raw() {
     // Three allocations of two 2 MiB chunks: the codec fails at each blob in turn. Those whose blobs were all
@@ -638,10 +646,7 @@ fn a_compression_failing_part_way_keeps_the_finished_backups_and_copies_the_rest
             "{:?}",
             e.errors()
         );
-        e.wake(None::<&[&str]>).unwrap();
-        for (a, d) in addrs.iter().zip(&data) {
-            assert!(e.read(*a, size).unwrap() == *d, "fault at blob {nth}");
-        }
+        wake_intact(&e, &addrs, &data, &format!("fault at blob {nth}"));
         e.close().unwrap();
         assert_no_leaks(&sim);
     }
@@ -668,7 +673,6 @@ fn a_failed_unmap_or_release_during_a_compression_keeps_the_data_and_is_reported
                     assert_eq!(asleep, 2, "{op:?}#{nth}");
                     assert_eq!(sim.counts().mapped_bytes, size, "{op:?}#{nth}");
                 }
-
                 _ => {
                     slept.unwrap();
                     assert_eq!(asleep, 3, "{op:?}#{nth}");
@@ -679,10 +683,7 @@ fn a_failed_unmap_or_release_during_a_compression_keeps_the_data_and_is_reported
                     );
                 }
             }
-            e.wake(None::<&[&str]>).unwrap();
-            for (a, d) in addrs.iter().zip(&data) {
-                assert!(e.read(*a, size).unwrap() == *d, "{op:?}#{nth}");
-            }
+            wake_intact(&e, &addrs, &data, &format!("{op:?}#{nth}"));
             e.close().unwrap();
             assert_no_leaks(&sim);
         }
@@ -712,10 +713,7 @@ fn a_wake_group_unmapped_under_the_codec_keeps_every_member_awake_when_its_unmap
     }
     let rep = e.sleep(&["weights"]).unwrap();
     assert_eq!(rep.raw_bytes, 3 * size);
-    e.wake(None::<&[&str]>).unwrap();
-    for (a, d) in addrs.iter().zip(&data) {
-        assert!(e.read(*a, size).unwrap() == *d);
-    }
+    wake_intact(&e, &addrs, &data, "after the failed unmap");
     // The group's handle is released under the codec too: a failure there puts every member to sleep with its
     // backup and queues the handle for retry.
     assert_eq!(e.stats().wake_groups, 1);
@@ -728,10 +726,7 @@ fn a_wake_group_unmapped_under_the_codec_keeps_every_member_awake_when_its_unmap
         "{:?}",
         e.errors()
     );
-    e.wake(None::<&[&str]>).unwrap();
-    for (a, d) in addrs.iter().zip(&data) {
-        assert!(e.read(*a, size).unwrap() == *d);
-    }
+    wake_intact(&e, &addrs, &data, "after the failed release");
     e.close().unwrap();
     assert_no_leaks(&sim);
 }

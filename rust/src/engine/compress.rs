@@ -149,7 +149,11 @@ impl Engine {
             unplanned.extend(lost);
         }
         if early.own.is_empty() && early.members_done.is_empty() {
-            return (raw, PackedBackups::Made(Box::new((packed, early))), unplanned);
+            return (
+                raw,
+                PackedBackups::Made(Box::new((packed, early))),
+                unplanned,
+            );
         }
         // Some are released: all of them go to sleep now, before anything else may refuse the sleep.
         let (n_own, n_groups) = (early.own.len(), early.groups.len());
