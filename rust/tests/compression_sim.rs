@@ -730,3 +730,32 @@ fn a_wake_group_unmapped_under_the_codec_keeps_every_member_awake_when_its_unmap
     e.close().unwrap();
     assert_no_leaks(&sim);
 }
+
+#[test]
+fn a_compression_failing_after_an_unchanged_backup_was_kept_counts_every_byte_once() {
+    // Found by the fault state machine: an unchanged retained backup is complete before the codec starts (kept, its
+    // allocation released), then the codec fails on a changed one, which is copied raw, all of it. Its unchanged
+    // chunks must not count as skipped too: copied + skipped is the bytes backed up.
+    let (sim, e) = engine(1, 64 << 20);
+    e.set_fingerprint_chunk(GRAN).unwrap();
+    let kept = bf16_like(4 * GRAN, 70);
+    let mut changed = bf16_like(4 * GRAN, 71);
+    let (a, b) = (weights(&e, &kept), weights(&e, &changed));
+    e.sleep(&["weights"]).unwrap();
+    e.wake(None::<&[&str]>).unwrap();
+    assert_eq!(e.stats().retained_allocations, 2);
+    let patch = bf16_like(GRAN, 72);
+    changed[..GRAN].copy_from_slice(&patch);
+    e.write(b, &patch).unwrap();
+    sim.inject_fault(Op::Compress, 1, CUDA_ERROR_UNKNOWN)
+        .unwrap();
+    let rep = e.sleep(&["weights"]).unwrap();
+    assert_eq!(
+        (rep.skipped_bytes, rep.copied_bytes),
+        (kept.len(), changed.len())
+    );
+    assert_eq!(e.stats().asleep_allocations, 2);
+    wake_intact(&e, &[a, b], &[kept, changed], "after the fallback");
+    e.close().unwrap();
+    assert_no_leaks(&sim);
+}

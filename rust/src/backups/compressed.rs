@@ -250,15 +250,19 @@ impl BackupStore {
         // run to the next (a HashMap's does, per process).
         let mut todo: BTreeMap<(i32, DataKind), Vec<(usize, usize)>> = BTreeMap::new();
         let mut out = PackedSleep::default();
+        // Per allocation with a retained backup: (chunks compared, bytes kept, bytes compressed again), counted in
+        // the result for those it finishes (one the codec did not finish is copied raw, all of it).
+        let mut retained_counts = vec![(0usize, 0usize, 0usize); all.len()];
         for (n, (_, dev, size, kind, old)) in all.iter().enumerate() {
             for (i, (_, len)) in fingerprint::chunks(*size, chunk).enumerate() {
                 if let Some(old) = old {
-                    out.chunks_checked += 1;
+                    let c = &mut retained_counts[n];
+                    c.0 += 1;
                     if old.chunk == chunk && old.prints.get(i) == Some(&prints[n][i]) {
-                        out.skipped_bytes += len;
+                        c.1 += len;
                         continue;
                     }
-                    out.copied_bytes += len;
+                    c.2 += len;
                 }
                 todo.entry((*dev, *kind)).or_default().push((n, i));
             }
@@ -393,6 +397,10 @@ impl BackupStore {
                 prints: prints[n].clone(),
                 host_decode,
             };
+            let (checked, kept, again) = retained_counts[n];
+            out.chunks_checked += checked;
+            out.skipped_bytes += kept;
+            out.copied_bytes += again;
             out.raw_bytes += size;
             out.stored_bytes += packed.stored_bytes();
             if !all_raw {
