@@ -759,3 +759,86 @@ fn a_compression_failing_after_an_unchanged_backup_was_kept_counts_every_byte_on
     e.close().unwrap();
     assert_no_leaks(&sim);
 }
+
+/// A simulated engine whose host can pin at most `host_memory` bytes.
+fn engine_with_host(host_memory: usize) -> (Arc<SimDriver>, Engine) {
+    let sim = Arc::new(
+        SimDriver::new(SimConfig {
+            granularity: GRAN,
+            host_memory: Some(host_memory),
+            ..SimConfig::default()
+        })
+        .unwrap(),
+    );
+    let e = Engine::new(sim.clone() as Arc<dyn Driver>).unwrap();
+    (sim, e)
+}
+
+#[test]
+fn a_sleep_refused_after_the_codec_leaves_a_wake_group_whole_and_the_next_sleep_sound() {
+    // Found by review: A and B (bf16) and C (random, so it skips the codec after its first sleep) share one wake
+    // group. The codec finishes A and B, but the group waits for C, whose raw copy the host cannot pin (9.5 MiB
+    // of host memory: the first sleep fits, the second's blobs take the cached arena and C's 6 MiB do not).
+    // The refusal must leave all three awake with their data and the group's state clean: the next sleep had
+    // found A and B still marked released, unmapped the group with C unbacked and panicked.
+    let (sim, e) = engine_with_host(19 << 19);
+    let size = 2 << 20;
+    let data = vec![
+        bf16_like(size, 80),
+        bf16_like(size, 81),
+        random_bytes(3 * size, 82),
+    ];
+    let addrs: Vec<u64> = data.iter().map(|d| weights(&e, d)).collect();
+    e.sleep(&["weights"]).unwrap();
+    e.wake(None::<&[&str]>).unwrap();
+    assert_eq!(e.stats().wake_groups, 1);
+    e.set_retain_backups(false).unwrap();
+    for attempt in 0..2 {
+        let err = e.sleep(&["weights"]).unwrap_err();
+        assert!(
+            err.to_string().contains("every allocation stays awake"),
+            "{err}"
+        );
+        assert_eq!(e.stats().asleep_allocations, 0, "attempt {attempt}");
+        for (a, d) in addrs.iter().zip(&data) {
+            assert!(e.read(*a, d.len()).unwrap() == *d, "attempt {attempt}");
+        }
+    }
+    e.discard(&["weights"]).unwrap();
+    assert_eq!(e.stats().asleep_allocations, 3);
+    e.close().unwrap();
+    assert_no_leaks(&sim);
+}
+
+#[test]
+fn a_sleep_refused_after_the_codec_released_some_says_so_and_they_wake_intact() {
+    // A and B compress and are released under the codec; C (compress="off") is then refused its raw arena by the
+    // host (5 MiB). The error says how many went to sleep instead of "every allocation stays awake"; C stays
+    // awake with its data and A and B wake intact.
+    let (sim, e) = engine_with_host(5 << 20);
+    let size = 2 << 20;
+    let data = vec![bf16_like(size, 90), bf16_like(size, 91)];
+    let addrs: Vec<u64> = data.iter().map(|d| weights(&e, d)).collect();
+    let off = TagPolicy {
+        compress: Compress::Off,
+        ..TagPolicy::default()
+    };
+    e.set_tag_policy("kv", off).unwrap();
+    let kv = random_bytes(3 * size, 92);
+    e.push_tag("kv").unwrap();
+    let c = e.malloc(kv.len(), 0, 0).unwrap();
+    e.pop_tag().unwrap();
+    e.write(c, &kv).unwrap();
+    let err = e.sleep(&["weights", "kv"]).unwrap_err();
+    let text = err.to_string();
+    assert!(
+        text.contains("refused after 2 allocations went to sleep"),
+        "{text}"
+    );
+    assert!(!text.contains("every allocation stays awake"), "{text}");
+    assert_eq!(e.stats().asleep_allocations, 2);
+    assert!(e.read(c, kv.len()).unwrap() == kv);
+    wake_intact(&e, &addrs, &data, "after the refusal");
+    e.close().unwrap();
+    assert_no_leaks(&sim);
+}

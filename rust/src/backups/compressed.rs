@@ -134,17 +134,20 @@ pub struct PackJob {
     pub kind: DataKind,
 }
 
-/// What `pack` made: a backup per allocation (with the prints the retention keeps) and its figures.
-#[derive(Default)]
-pub struct PackedSleep {
-    pub backups: Vec<(DevPtr, Backup, Vec<Fingerprint>)>,
-    /// Raw bytes of the backups made, and the host bytes their blobs take.
-    pub raw_bytes: usize,
-    pub stored_bytes: usize,
-    /// Retained compressed backups: chunks compared, bytes kept (unchanged), bytes compressed again (changed).
+/// One compressed backup `pack` made, with the prints the retention keeps and, for a retained backup, the chunks
+/// compared with its prints and the bytes of those unchanged (kept, neither compressed nor copied).
+pub struct PackedOne {
+    pub addr: DevPtr,
+    pub backup: Backup,
+    pub prints: Vec<Fingerprint>,
     pub chunks_checked: usize,
     pub skipped_bytes: usize,
-    pub copied_bytes: usize,
+}
+
+/// What `pack` made.
+#[derive(Default)]
+pub struct PackedSleep {
+    pub backups: Vec<PackedOne>,
     /// The codec failed part way: why, and the allocations it did not finish (to be copied raw, their retained
     /// backups unusable). Those it finished have their backups above, and `complete` was called for them.
     pub failed: Option<Error>,
@@ -250,9 +253,9 @@ impl BackupStore {
         // run to the next (a HashMap's does, per process).
         let mut todo: BTreeMap<(i32, DataKind), Vec<(usize, usize)>> = BTreeMap::new();
         let mut out = PackedSleep::default();
-        // Per allocation with a retained backup: (chunks compared, bytes kept, bytes compressed again), counted in
-        // the result for those it finishes (one the codec did not finish is copied raw, all of it).
-        let mut retained_counts = vec![(0usize, 0usize, 0usize); all.len()];
+        // Per allocation with a retained backup: (chunks compared, bytes kept), given with its backup (one the codec
+        // does not finish is copied raw, all of it).
+        let mut retained_counts = vec![(0usize, 0usize); all.len()];
         for (n, (_, dev, size, kind, old)) in all.iter().enumerate() {
             for (i, (_, len)) in fingerprint::chunks(*size, chunk).enumerate() {
                 if let Some(old) = old {
@@ -262,7 +265,6 @@ impl BackupStore {
                         c.1 += len;
                         continue;
                     }
-                    c.2 += len;
                 }
                 todo.entry((*dev, *kind)).or_default().push((n, i));
             }
@@ -397,12 +399,6 @@ impl BackupStore {
                 prints: prints[n].clone(),
                 host_decode,
             };
-            let (checked, kept, again) = retained_counts[n];
-            out.chunks_checked += checked;
-            out.skipped_bytes += kept;
-            out.copied_bytes += again;
-            out.raw_bytes += size;
-            out.stored_bytes += packed.stored_bytes();
             if !all_raw {
                 (guess_raw, guess_stored) =
                     (guess_raw + size, guess_stored + packed.stored_bytes());
@@ -411,7 +407,14 @@ impl BackupStore {
                 place: Place::Packed(Arc::new(packed)),
                 len: size,
             };
-            out.backups.push((addr, backup, prints[n].clone()));
+            let (chunks_checked, skipped_bytes) = retained_counts[n];
+            out.backups.push(PackedOne {
+                addr,
+                backup,
+                prints: prints[n].clone(),
+                chunks_checked,
+                skipped_bytes,
+            });
         }
         // The spare arena the bound lets the store keep for the next sleep (bound.rs): as large as the arenas this
         // sleep took for its blobs (those of unchanged retained chunks were made before), at most their raw bytes.

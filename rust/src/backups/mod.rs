@@ -44,7 +44,7 @@ pub use crate::host::staging::DEFAULT_STAGING_BYTES;
 pub use bound::SleepArena;
 pub use budget::BUDGET_ENV;
 use compressed::Packed;
-pub use compressed::{PackJob, PackedSleep};
+pub use compressed::{PackJob, PackedOne, PackedSleep};
 pub use file_tier::{BackupTier, FileJob, FileRewrite, FileRewrites, FileSleep};
 pub use file_wake::{FileRestore, FileRestored, FileWakeTimes};
 use pin_ahead::HostRoom;

@@ -11,7 +11,7 @@
 use std::collections::HashMap;
 
 use super::{Engine, Inner, Report};
-use crate::backups::{PackJob, PackedSleep};
+use crate::backups::{PackJob, PackedOne, PackedSleep};
 use crate::driver::{DevPtr, PhysHandle};
 use crate::error::{Error, Result};
 use crate::fingerprint::Fingerprint;
@@ -25,11 +25,15 @@ pub const COMPRESS_FELL_BACK: &str = "compressing backups (this sleep copied the
 /// The prints of the allocations a sleep put to sleep with a compressed backup, for the sleep's `SleepPrints`.
 pub(super) type PackedPrints = Vec<(DevPtr, Vec<Fingerprint>)>;
 
-/// A sleep's compressed backups after `pack_backups`: already asleep (some were released while the codec ran),
-/// or made and not yet released (`put_packed_to_sleep` later, or dropped if the sleep is refused before).
-pub(super) enum PackedBackups {
-    Asleep(PackedPrints),
-    Made(Box<(PackedSleep, EarlyReleases)>),
+/// A sleep's compressed backups after `pack_backups`: those released while the codec ran, already asleep (their
+/// prints), and the others, made and not yet released (`finish_packed` releases them with the allocations that
+/// need no backup; a sleep refused before drops them, and they stay awake with their data). The others are what a
+/// host budget keeps out of the codec's releases, and wake-group members whose group was not complete with them
+/// (a member copied raw releases the group later).
+#[derive(Default)]
+pub(super) struct PackedBackups {
+    pub asleep: PackedPrints,
+    made: Vec<PackedOne>,
 }
 
 /// What became of an allocation released while `pack` ran: unmapped (its handle released, or the release's
@@ -95,7 +99,7 @@ impl Engine {
         inner.backups.drop_retained(&unplanned);
         raw.sort_unstable();
         if jobs.is_empty() && retained.is_empty() {
-            return (raw, PackedBackups::Asleep(Vec::new()), unplanned);
+            return (raw, PackedBackups::default(), unplanned);
         }
         // What the same sleep then copies raw: the placer leaves it a cached buffer of that size.
         let raw_after = (raw.iter())
@@ -148,24 +152,24 @@ impl Engine {
             raw.sort_unstable();
             unplanned.extend(lost);
         }
-        if early.own.is_empty() && early.members_done.is_empty() {
-            return (
-                raw,
-                PackedBackups::Made(Box::new((packed, early))),
-                unplanned,
-            );
-        }
-        // Some are released: all of them go to sleep now, before anything else may refuse the sleep.
+        // Those released under the codec go to sleep now, before anything else may refuse the sleep.
+        let (released, made): (Vec<PackedOne>, Vec<PackedOne>) = (packed.backups.into_iter())
+            .partition(|one| match group_of(&inner.reg, one.addr) {
+                Some(id) => early.groups.contains_key(&id),
+                None => early.own.contains_key(&one.addr),
+            });
         let (n_own, n_groups) = (early.own.len(), early.groups.len());
         let t = std::time::Instant::now();
-        let prints = self.put_packed_to_sleep(inner, packed, early, report, first_err);
-        log::debug!(
-            "compressed sleep: released while compressing: {n_own} allocations and {n_groups} wake groups \
-             ({:.1} ms of {pack_ms:.1} ms); marked asleep after: {:.1} ms",
-            in_hook.as_secs_f64() * 1e3,
-            t.elapsed().as_secs_f64() * 1e3
-        );
-        (raw, PackedBackups::Asleep(prints), unplanned)
+        let asleep = self.put_packed_to_sleep(inner, released, early, report, first_err);
+        if n_own + n_groups > 0 {
+            log::debug!(
+                "compressed sleep: released while compressing: {n_own} allocations and {n_groups} wake groups \
+                 ({:.1} ms of {pack_ms:.1} ms); marked asleep after: {:.1} ms",
+                in_hook.as_secs_f64() * 1e3,
+                t.elapsed().as_secs_f64() * 1e3
+            );
+        }
+        (raw, PackedBackups { asleep, made }, unplanned)
     }
 
     /// The sleep's compressed backups asleep (those not released yet released now); their prints.
@@ -176,13 +180,10 @@ impl Engine {
         report: &mut Report,
         first_err: &mut Option<Error>,
     ) -> PackedPrints {
-        match packed {
-            PackedBackups::Asleep(prints) => prints,
-            PackedBackups::Made(made) => {
-                let (packed, early) = *made;
-                self.put_packed_to_sleep(inner, packed, early, report, first_err)
-            }
-        }
+        let mut prints = packed.asleep;
+        let early = EarlyReleases::default();
+        prints.extend(self.put_packed_to_sleep(inner, packed.made, early, report, first_err));
+        prints
     }
 
     /// An allocation whose compressed backup `pack` just completed (the codec still running on others): unmapped
@@ -224,22 +225,22 @@ impl Engine {
     fn put_packed_to_sleep(
         &self,
         inner: &mut Inner,
-        packed: PackedSleep,
+        backups: Vec<PackedOne>,
         mut early: EarlyReleases,
         report: &mut Report,
         first_err: &mut Option<Error>,
     ) -> PackedPrints {
-        report.chunks_checked += packed.chunks_checked;
-        report.skipped_bytes += packed.skipped_bytes;
-        let (mut copied, mut prints) = (0, Vec::with_capacity(packed.backups.len()));
-        for (addr, backup, fps) in packed.backups {
+        let mut prints = Vec::with_capacity(backups.len());
+        for one in backups {
+            let PackedOne {
+                addr,
+                backup,
+                prints: fps,
+                chunks_checked,
+                skipped_bytes,
+            } = one;
             let (size, stored) = (backup.len(), backup.stored_len());
-            let group = match inner.reg.get(addr).map(|a| &a.state) {
-                Some(State::Awake {
-                    backing: Backing::Group(id),
-                }) => Some(*id),
-                _ => None,
-            };
+            let group = group_of(&inner.reg, addr);
             let released: Result<()> = match early.own.remove(&addr) {
                 Some(Early::Unmapped(handle, release_failed)) => {
                     if let Some(e) = release_failed {
@@ -263,7 +264,10 @@ impl Engine {
             };
             match released {
                 Ok(()) => {
-                    copied += size;
+                    // Unchanged chunks of a retained backup were neither compressed nor copied.
+                    report.copied_bytes += size - skipped_bytes;
+                    report.skipped_bytes += skipped_bytes;
+                    report.chunks_checked += chunks_checked;
                     report.raw_bytes += size;
                     report.stored_bytes += stored;
                     prints.push((addr, fps));
@@ -273,8 +277,16 @@ impl Engine {
                 }
             }
         }
-        // Unchanged chunks of retained backups were neither compressed nor copied.
-        report.copied_bytes += copied.saturating_sub(packed.skipped_bytes);
         prints
+    }
+}
+
+/// The wake group an awake allocation is a member of, if any.
+fn group_of(reg: &Registry, addr: DevPtr) -> Option<u64> {
+    match reg.get(addr).map(|a| &a.state) {
+        Some(State::Awake {
+            backing: Backing::Group(id),
+        }) => Some(*id),
+        _ => None,
     }
 }

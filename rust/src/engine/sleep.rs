@@ -142,7 +142,7 @@ impl Engine {
                 Ok(plan) => (backed, spill) = plan,
                 Err(e) => {
                     // Refused with nothing (more) released: the compressed backups not yet asleep go unused.
-                    Self::note_asleep_before_refusal(inner, &packed, &e);
+                    let e = Self::refused_after_codec(inner, &packed, e);
                     drop(packed);
                     inner.backups.collect_unused(&mut inner.log);
                     return Err(e);
@@ -159,7 +159,7 @@ impl Engine {
                 Err(e) => {
                     // Refused with nothing (more) released; the retained backups dropped above may have left
                     // arenas unused.
-                    Self::note_asleep_before_refusal(inner, &packed, &e);
+                    let e = Self::refused_after_codec(inner, &packed, e);
                     inner.backups.collect_unused(&mut inner.log);
                     return Err(e);
                 }
@@ -262,22 +262,37 @@ impl Engine {
         first_err.map_or(Ok(report), Err)
     }
 
-    /// A sleep refused after its codec had put allocations to sleep (released as their backups were complete):
-    /// the refusal says every allocation stays awake, so the log says which did not.
-    fn note_asleep_before_refusal(
+    /// A sleep refused (`e`) after its codec had put allocations to sleep (released as their backups were
+    /// complete): no wake group keeps members marked ready for a release that will not come, and the refusal,
+    /// which says every allocation stays awake, says how many went to sleep (and the log).
+    fn refused_after_codec(
         inner: &mut Inner,
         packed: &super::compress::PackedBackups,
-        e: &Error,
-    ) {
-        if let super::compress::PackedBackups::Asleep(prints) = packed {
-            if !prints.is_empty() {
-                let what = format!(
-                    "sleep refused after {} allocations had gone to sleep with their compressed backups (they stay \
-                     asleep)",
-                    prints.len()
-                );
-                inner.log.record(&what, e);
-            }
+        e: Error,
+    ) -> Error {
+        Self::abandon_incomplete_groups(inner);
+        let n = packed.asleep.len();
+        if n == 0 {
+            return e;
+        }
+        let what = format!(
+            "sleep refused after {n} allocations had gone to sleep with their compressed backups (they stay asleep)"
+        );
+        inner.log.record(&what, &e);
+        let said = |s: String| {
+            s.replace(
+                "refused before anything was released: every allocation stays awake",
+                &format!(
+                    "refused after {n} allocations went to sleep with their compressed backups: the others stay \
+                     awake"
+                ),
+            )
+        };
+        match e {
+            Error::OutOfMemory { what } => Error::OutOfMemory { what: said(what) },
+            Error::InvalidState(s) => Error::InvalidState(said(s)),
+            Error::InvalidArgument(s) => Error::InvalidArgument(said(s)),
+            other => other,
         }
     }
 
