@@ -708,6 +708,9 @@ fn a_wake_group_unmapped_under_the_codec_keeps_every_member_awake_when_its_unmap
     assert!(err.to_string().contains("unmap"), "{err}");
     assert_eq!(e.stats().asleep_allocations, 0);
     assert_eq!(sim.counts().mapped_bytes, 3 * size);
+    // Nothing went to sleep, and the sleep's report says so (its members before the last were only marked).
+    let rep = e.stats().last_sleep.expect("a sleep ran");
+    assert_eq!((rep.raw_bytes, rep.copied_bytes), (0, 0));
     for (a, d) in addrs.iter().zip(&data) {
         assert!(e.read(*a, size).unwrap() == *d);
     }
@@ -839,6 +842,44 @@ fn a_sleep_refused_after_the_codec_released_some_says_so_and_they_wake_intact() 
     assert_eq!(e.stats().asleep_allocations, 2);
     assert!(e.read(c, kv.len()).unwrap() == kv);
     wake_intact(&e, &addrs, &data, "after the refusal");
+    e.close().unwrap();
+    assert_no_leaks(&sim);
+}
+
+#[test]
+fn a_refusal_after_a_wake_group_stayed_awake_under_the_codec_does_not_count_it_asleep() {
+    // Found by review: a group's unmap under the codec fails (its members stay awake), then the same sleep is
+    // refused the raw arena of another tag (7 MiB of host memory: the blobs take the arena the first sleep left,
+    // the other tag's 6 MiB do not fit beside it). The refusal must not say that allocations went to sleep.
+    let (sim, e) = engine_with_host(7 << 20);
+    let size = 2 << 20;
+    let data = vec![bf16_like(size, 95), bf16_like(size, 96)];
+    let addrs: Vec<u64> = data.iter().map(|d| weights(&e, d)).collect();
+    e.sleep(&["weights"]).unwrap();
+    e.wake(None::<&[&str]>).unwrap();
+    assert_eq!(e.stats().wake_groups, 1);
+    e.set_retain_backups(false).unwrap();
+    let off = TagPolicy {
+        compress: Compress::Off,
+        ..TagPolicy::default()
+    };
+    e.set_tag_policy("kv", off).unwrap();
+    let kv = random_bytes(3 * size, 97);
+    e.push_tag("kv").unwrap();
+    let c = e.malloc(kv.len(), 0, 0).unwrap();
+    e.pop_tag().unwrap();
+    e.write(c, &kv).unwrap();
+    sim.inject_fault(Op::Unmap, 1, CUDA_ERROR_UNKNOWN).unwrap();
+    let err = e.sleep(&["weights", "kv"]).unwrap_err();
+    assert!(
+        err.to_string().contains("every allocation stays awake"),
+        "{err}"
+    );
+    assert_eq!(e.stats().asleep_allocations, 0);
+    for (a, d) in addrs.iter().zip(&data) {
+        assert!(e.read(*a, d.len()).unwrap() == *d);
+    }
+    assert!(e.read(c, kv.len()).unwrap() == kv);
     e.close().unwrap();
     assert_no_leaks(&sim);
 }

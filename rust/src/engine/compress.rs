@@ -230,7 +230,7 @@ impl Engine {
         report: &mut Report,
         first_err: &mut Option<Error>,
     ) -> PackedPrints {
-        let mut prints = Vec::with_capacity(backups.len());
+        let (mut done, mut prints) = (Vec::new(), Vec::with_capacity(backups.len()));
         for one in backups {
             let PackedOne {
                 addr,
@@ -263,21 +263,38 @@ impl Engine {
                 },
             };
             match released {
-                Ok(()) => {
-                    // Unchanged chunks of a retained backup were neither compressed nor copied.
-                    report.copied_bytes += size - skipped_bytes;
-                    report.skipped_bytes += skipped_bytes;
-                    report.chunks_checked += chunks_checked;
-                    report.raw_bytes += size;
-                    report.stored_bytes += stored;
-                    prints.push((addr, fps));
-                }
+                Ok(()) => done.push((addr, fps, size, stored, chunks_checked, skipped_bytes)),
                 Err(e) => {
                     first_err.get_or_insert(e);
                 }
             }
         }
+        // Counted once every backup was handed over: a wake-group member's release only marks it ready, and its
+        // group's unmap (at the last member) may still fail and keep them all awake.
+        for (addr, fps, size, stored, chunks_checked, skipped_bytes) in done {
+            if !asleep_or_ready(inner, addr) {
+                continue;
+            }
+            // Unchanged chunks of a retained backup were neither compressed nor copied.
+            report.copied_bytes += size - skipped_bytes;
+            report.skipped_bytes += skipped_bytes;
+            report.chunks_checked += chunks_checked;
+            report.raw_bytes += size;
+            report.stored_bytes += stored;
+            prints.push((addr, fps));
+        }
         prints
+    }
+}
+
+/// Asleep, or a wake-group member marked released, its group waiting for another member (released with it).
+fn asleep_or_ready(inner: &Inner, addr: DevPtr) -> bool {
+    match inner.reg.get(addr).map(|a| &a.state) {
+        Some(State::Awake {
+            backing: Backing::Group(id),
+        }) => (inner.groups.get(*id)).is_some_and(|g| g.ready.iter().any(|(a, _)| *a == addr)),
+        Some(State::Awake { .. }) | None => false,
+        Some(_) => true,
     }
 }
 

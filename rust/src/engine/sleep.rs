@@ -160,6 +160,7 @@ impl Engine {
                     // Refused with nothing (more) released; the retained backups dropped above may have left
                     // arenas unused.
                     let e = Self::refused_after_codec(inner, &packed, e);
+                    drop(packed);
                     inner.backups.collect_unused(&mut inner.log);
                     return Err(e);
                 }
@@ -279,13 +280,16 @@ impl Engine {
             "sleep refused after {n} allocations had gone to sleep with their compressed backups (they stay asleep)"
         );
         inner.log.record(&what, &e);
+        let after =
+            format!("refused after {n} allocations went to sleep with their compressed backups");
         let said = |s: String| {
-            s.replace(
+            (s.replace(
                 "refused before anything was released: every allocation stays awake",
-                &format!(
-                    "refused after {n} allocations went to sleep with their compressed backups: the others stay \
-                     awake"
-                ),
+                &format!("{after}: the others stay awake"),
+            ))
+            .replace(
+                "refused before anything was released:",
+                &format!("{after} (the others stay awake):"),
             )
         };
         match e {
