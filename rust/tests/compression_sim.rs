@@ -777,6 +777,20 @@ fn engine_with_host(host_memory: usize) -> (Arc<SimDriver>, Engine) {
     (sim, e)
 }
 
+/// One allocation of tag "kv", whose policy is `compress="off"`, holding `data`.
+fn uncompressed_kv(e: &Engine, data: &[u8]) -> u64 {
+    let off = TagPolicy {
+        compress: Compress::Off,
+        ..TagPolicy::default()
+    };
+    e.set_tag_policy("kv", off).unwrap();
+    e.push_tag("kv").unwrap();
+    let c = e.malloc(data.len(), 0, 0).unwrap();
+    e.pop_tag().unwrap();
+    e.write(c, data).unwrap();
+    c
+}
+
 #[test]
 fn a_sleep_refused_after_the_codec_leaves_a_wake_group_whole_and_the_next_sleep_sound() {
     // Found by review: A and B (bf16) and C (random, so it skips the codec after its first sleep) share one wake
@@ -822,16 +836,8 @@ fn a_sleep_refused_after_the_codec_released_some_says_so_and_they_wake_intact() 
     let size = 2 << 20;
     let data = vec![bf16_like(size, 90), bf16_like(size, 91)];
     let addrs: Vec<u64> = data.iter().map(|d| weights(&e, d)).collect();
-    let off = TagPolicy {
-        compress: Compress::Off,
-        ..TagPolicy::default()
-    };
-    e.set_tag_policy("kv", off).unwrap();
     let kv = random_bytes(3 * size, 92);
-    e.push_tag("kv").unwrap();
-    let c = e.malloc(kv.len(), 0, 0).unwrap();
-    e.pop_tag().unwrap();
-    e.write(c, &kv).unwrap();
+    let c = uncompressed_kv(&e, &kv);
     let err = e.sleep(&["weights", "kv"]).unwrap_err();
     let text = err.to_string();
     assert!(
@@ -859,16 +865,8 @@ fn a_refusal_after_a_wake_group_stayed_awake_under_the_codec_does_not_count_it_a
     e.wake(None::<&[&str]>).unwrap();
     assert_eq!(e.stats().wake_groups, 1);
     e.set_retain_backups(false).unwrap();
-    let off = TagPolicy {
-        compress: Compress::Off,
-        ..TagPolicy::default()
-    };
-    e.set_tag_policy("kv", off).unwrap();
     let kv = random_bytes(3 * size, 97);
-    e.push_tag("kv").unwrap();
-    let c = e.malloc(kv.len(), 0, 0).unwrap();
-    e.pop_tag().unwrap();
-    e.write(c, &kv).unwrap();
+    let c = uncompressed_kv(&e, &kv);
     sim.inject_fault(Op::Unmap, 1, CUDA_ERROR_UNKNOWN).unwrap();
     let err = e.sleep(&["weights", "kv"]).unwrap_err();
     assert!(
