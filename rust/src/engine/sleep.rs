@@ -140,13 +140,7 @@ impl Engine {
             drop(spill.take());
             match Self::plan_tiers(inner, &again) {
                 Ok(plan) => (backed, spill) = plan,
-                Err(e) => {
-                    // Refused with nothing (more) released: the compressed backups not yet asleep go unused.
-                    let e = Self::refused_after_codec(inner, &packed, e);
-                    drop(packed);
-                    inner.backups.collect_unused(&mut inner.log);
-                    return Err(e);
-                }
+                Err(e) => return Err(Self::refuse_after_codec(inner, packed, e)),
             }
         }
 
@@ -156,14 +150,7 @@ impl Engine {
             0 => None,
             _ => match inner.backups.sleep_arena(total, &mut inner.log) {
                 Ok(arena) => Some(arena),
-                Err(e) => {
-                    // Refused with nothing (more) released; the retained backups dropped above may have left
-                    // arenas unused.
-                    let e = Self::refused_after_codec(inner, &packed, e);
-                    drop(packed);
-                    inner.backups.collect_unused(&mut inner.log);
-                    return Err(e);
-                }
+                Err(e) => return Err(Self::refuse_after_codec(inner, packed, e)),
             },
         };
         let cold = arena.as_ref().is_some_and(|b| b.unpinned_below(total) > 0);
@@ -263,16 +250,21 @@ impl Engine {
         first_err.map_or(Ok(report), Err)
     }
 
-    /// A sleep refused (`e`) after its codec had put allocations to sleep (released as their backups were
-    /// complete): no wake group keeps members marked ready for a release that will not come, and the refusal,
-    /// which says every allocation stays awake, says how many went to sleep (and the log).
-    fn refused_after_codec(
+    /// Refuse a sleep (`e`) at one of the points after its codec ran (the second tier plan, the host arena),
+    /// with nothing more released: the compressed backups not yet asleep go unused (their allocations stay awake
+    /// with their data), no wake group keeps members marked ready for a release that will not come, arenas the
+    /// retained backups dropped before left unused are collected, and where the codec had put allocations to
+    /// sleep (released as their backups were complete) the refusal, which says every allocation stays awake,
+    /// says how many did not (and the log).
+    fn refuse_after_codec(
         inner: &mut Inner,
-        packed: &super::compress::PackedBackups,
+        packed: super::compress::PackedBackups,
         e: Error,
     ) -> Error {
         Self::abandon_incomplete_groups(inner);
         let n = packed.asleep.len();
+        drop(packed);
+        inner.backups.collect_unused(&mut inner.log);
         if n == 0 {
             return e;
         }
