@@ -33,7 +33,7 @@ use super::file_packed::{write_packed, FileCodec, PackedJob};
 use super::io_workers::{io_len, Workers, IO_THREADS};
 use super::spill_file::{FaultKind, SpillDir, SpillFile, SpillIo, IO_ALIGN};
 use super::{slot_plan, spill_reclaim};
-use super::{Backup, BackupStore};
+use super::{Backup, BackupStore, NOTHING_RELEASED};
 use crate::driver::codec::DataKind;
 use crate::driver::{DevPtr, Driver};
 use crate::error::{Error, Result};
@@ -535,11 +535,10 @@ impl BackupStore {
             return Ok((host, None));
         }
         let Some(dir) = self.spill.clone() else {
-            return Err(Error::InvalidState(
-                "sleep refused before anything was released: a tag's policy asks for backup_tier=\"file\" but no \
-                 spill directory is set (set_spill_dir)"
-                    .into(),
-            ));
+            return Err(Error::InvalidState(format!(
+                "sleep {NOTHING_RELEASED}: a tag's policy asks for backup_tier=\"file\" but no spill directory is \
+                 set (set_spill_dir)"
+            )));
         };
         // Unlinked: the jobs back to back in one file. Named: each at the start of a file of its own.
         let mut offset = 0u64;

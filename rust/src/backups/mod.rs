@@ -41,6 +41,11 @@ use crate::host::{HostBuffer, HostPool};
 
 use crate::host::staging::StagingRing;
 pub use crate::host::staging::DEFAULT_STAGING_BYTES;
+
+/// What a sleep refused before any allocation was released says of itself (with ": every allocation stays awake"
+/// or the reason after it). One phrase for every such refusal: a refusal after the codec already put some
+/// allocations to sleep rewrites it (`Engine::refuse_after_codec`).
+pub const NOTHING_RELEASED: &str = "refused before anything was released";
 pub use bound::SleepArena;
 pub use budget::BUDGET_ENV;
 use compressed::Packed;
@@ -472,10 +477,9 @@ impl BackupStore {
         }
         // Within the host budget: a cached arena larger than the budget allows goes back, and a fresh one of
         // exactly `total` bytes is checked instead.
-        const REFUSED: &str =
-            "sleep (refused before anything was released: every allocation stays awake)";
+        let refused = format!("sleep ({NOTHING_RELEASED}: every allocation stays awake)");
         let cached = match cached {
-            Some(b) if self.check_budget(b.len(), REFUSED).is_err() => {
+            Some(b) if self.check_budget(b.len(), &refused).is_err() => {
                 let _ = self.host.cache(b);
                 self.host.trim()?;
                 None
@@ -483,10 +487,10 @@ impl BackupStore {
             other => other,
         };
         if cached.is_none() {
-            self.check_budget(total, REFUSED)?;
+            self.check_budget(total, &refused)?;
         }
         let to_pin = cached.as_ref().map_or(total, |b| b.unpinned_below(total));
-        if let Err(e) = self.room.check(to_pin, REFUSED) {
+        if let Err(e) = self.room.check(to_pin, &refused) {
             if let Some(b) = cached {
                 let _ = self.host.cache(b); // as it was; a refused unpin keeps it cached anyway
             }

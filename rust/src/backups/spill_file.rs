@@ -24,7 +24,7 @@ use std::sync::Mutex;
 use rustix::fs::{Mode, OFlags, CWD};
 use rustix::io::Errno;
 
-use super::{spill_names, spill_reclaim};
+use super::{spill_names, spill_reclaim, NOTHING_RELEASED};
 use crate::error::{Error, Result};
 
 pub use crate::host::staging::IO_ALIGN;
@@ -126,7 +126,7 @@ impl SpillDir {
         if needed > free {
             return Err(Error::OutOfMemory {
                 what: format!(
-                    "sleep (refused before anything was released: every allocation stays awake) needs {needed} \
+                    "sleep ({NOTHING_RELEASED}: every allocation stays awake) needs {needed} \
                      bytes in the spill directory {} but only {free} bytes are free there",
                     self.path.display()
                 ),
@@ -284,7 +284,7 @@ impl SpillFile {
         match rustix::fs::fallocate(self.fd(), rustix::fs::FallocateFlags::empty(), 0, len) {
             Err(Errno::NOSPC) => Err(Error::OutOfMemory {
                 what: format!(
-                    "sleep (refused before anything was released: every allocation stays awake) needs {len} \
+                    "sleep ({NOTHING_RELEASED}: every allocation stays awake) needs {len} \
                      bytes in the spill directory {}, which could not be allocated there (ENOSPC)",
                     self.dir.display()
                 ),

@@ -7,7 +7,9 @@ use crate::timing::Phases;
 
 use super::policy::Policies;
 use super::{tag_set, Engine, Inner, Report};
-use crate::backups::{Backup, FileRewrite, FileSleep, SleepArena, SleepPrints, THREAD_REFUSED};
+use crate::backups::{
+    Backup, FileRewrite, FileSleep, SleepArena, SleepPrints, NOTHING_RELEASED, THREAD_REFUSED,
+};
 use crate::driver::DevPtr;
 use crate::error::{Error, Result};
 use crate::host::HostBuffer;
@@ -276,11 +278,11 @@ impl Engine {
             format!("refused after {n} allocations went to sleep with their compressed backups");
         let said = |s: String| {
             (s.replace(
-                "refused before anything was released: every allocation stays awake",
+                &format!("{NOTHING_RELEASED}: every allocation stays awake"),
                 &format!("{after}: the others stay awake"),
             ))
             .replace(
-                "refused before anything was released:",
+                &format!("{NOTHING_RELEASED}:"),
                 &format!("{after} (the others stay awake):"),
             )
         };
