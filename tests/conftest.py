@@ -124,6 +124,14 @@ def raw_backups(monkeypatch) -> None:
 
 
 @pytest.fixture
+def codec_on(monkeypatch) -> None:
+    """The opposite of `raw_backups`: allocators made in the test compress where the driver has a codec, whatever
+    CUMEM_RS_COMPRESS says (a GPU suite run with compression off must not switch the sim's codec off under the
+    tests about it)."""
+    monkeypatch.delenv("CUMEM_RS_COMPRESS", raising=False)
+
+
+@pytest.fixture
 def sim() -> Iterator[Allocator]:
     with allocator_for("sim") as a:
         yield a

@@ -15,19 +15,14 @@ from cumem_rs import Allocator, CumemError, CumemValueError
 from conftest import SIM_CAPACITY, SIM_GRANULARITY, live_counts
 
 GRAN = SIM_GRANULARITY
+# These tests are about the codec: it stays on whatever the environment says.
+pytestmark = pytest.mark.usefixtures("codec_on")
 
 
 def bf16_like(nbytes: int, seed: int) -> bytes:
     """bf16 bit patterns of N(0, 0.02) samples, what `torch.randn(...) * 0.02` in bf16 holds."""
     x = (np.random.default_rng(seed).standard_normal(nbytes // 2) * 0.02).astype(np.float32)
     return (x.view(np.uint32) >> 16).astype(np.uint16).tobytes()
-
-
-@pytest.fixture(autouse=True)
-def _codec_on(monkeypatch):
-    """These tests are about the sim's codec: CUMEM_RS_COMPRESS=0 in the environment (a GPU suite run with
-    compression off) must not switch it off under them."""
-    monkeypatch.delenv("CUMEM_RS_COMPRESS", raising=False)
 
 
 @pytest.fixture

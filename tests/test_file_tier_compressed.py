@@ -13,10 +13,12 @@ import pytest
 import cumem_rs
 from cumem_rs import Allocator, CumemError
 from conftest import SIM_CAPACITY, SIM_GRANULARITY, live_counts, spill_files
-from test_compression import _codec_on, bf16_like, weights  # noqa: F401 (_codec_on: autouse here too)
+from test_compression import bf16_like, weights
 
 GRAN = SIM_GRANULARITY
 CHUNK = 64 << 10
+# These tests are about the codec: it stays on whatever the environment says.
+pytestmark = pytest.mark.usefixtures("codec_on")
 #: A ring of 8 slots of 4 chunks: an allocation of 16 granules is 4 frames.
 STAGING = 8 * 4 * CHUNK
 
