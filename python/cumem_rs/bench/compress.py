@@ -135,7 +135,7 @@ def _settings(ctx: Context, core: Any, subject: Any, wbytes: int, h2d: float, d2
         t = (lambda s: f" (target {s})") if on and ctx.gpu else (lambda s: "")
         key = f"compress_{'bf16' if data.startswith('bf16') else 'fp8'}_{mode}"
         med = {f: statistics.median(r[f] for r in recs) for f in recs[0]}
-        res.bandwidth(f"{key}_sleep", f"sleep, {label} (median of {n} after a warm-up)", wbytes, med["sleep_s"], d2h,
+        res.bandwidth(f"{key}_sleep", f"sleep, {label} {compress_rows.steady(n)}", wbytes, med["sleep_s"], d2h,
                       "device->host copy of the raw bytes" + t(">= 1.3x"))
         pause = f"{PAUSE_S:g} s after the sleep" if ctx.gpu else "after the sleep (no pause on the sim)"
         res.bandwidth(f"{key}_wake", f"wake {pause}, {label}", wbytes, med["wake_s"], h2d,
@@ -153,14 +153,11 @@ def _settings(ctx: Context, core: Any, subject: Any, wbytes: int, h2d: float, d2
 
 
 def _cycles(ctx: Context, core: Any, subject: Any, n: int) -> list[dict]:
-    """`n` pairs of cycles: sleep, pause, wake (verified); sleep, wake at once (verified). After one warm-up cycle:
-    the first sleep of a setting pins its arena (seconds), which the first-sleep rows measure apart; counted in,
-    it was one of three sleeps a median of 3 was taken over."""
+    """`n` pairs of cycles: sleep, pause, wake (verified); sleep, wake at once (verified), after `warm_up` (counted
+    in, the first sleep that pins the arena was one of the three sleeps a median of 3 was taken over)."""
     sleep: Callable[[], Any] = lambda: core.sleep(WEIGHTS_TAG)  # noqa: E731
     wake: Callable[[], Any] = lambda: core.wake_up(None)  # noqa: E731
-    timed(sleep, ctx.sync)
-    timed(wake, ctx.sync)
-    subject.verify()
+    compress_rows.warm_up(ctx, core, subject.verify)
     recs = []
     for _ in range(n):
         rep, ts = timed(sleep, ctx.sync)

@@ -52,14 +52,25 @@ def _target(ctx: Context, text: str) -> str:
     return f" (target {text})" if text and ctx.gpu else ""
 
 
+def warm_up(ctx: Context, core: Any, verify: Callable[[], None]) -> None:
+    """One sleep and wake of the weights, verified, before the measured cycles: the first sleep of a setting pins
+    its host memory (seconds), which the first-sleep rows measure apart."""
+    timed(lambda: core.sleep(WEIGHTS_TAG), ctx.sync)
+    timed(lambda: core.wake_up(None), ctx.sync)
+    verify()
+
+
+def steady(n: int) -> str:
+    """How a steady row's median is taken (`warm_up` first)."""
+    return f"(median of {n} after a warm-up)"
+
+
 def _sleep_wake(ctx: Context, core: Any, w: Any, n: int) -> dict[str, float]:
     """`n` cycles: sleep, the pause, wake, verify; medians of sleep_s, wake_s and the host bytes held asleep.
     Starts from no cached host memory, so that what is held is this setting's backup alone, and with one warm-up
     cycle (the first sleep pins that memory: the first-sleep rows measure it apart)."""
     core.trim_host()
-    timed(lambda: core.sleep(WEIGHTS_TAG), ctx.sync)
-    timed(lambda: core.wake_up(None), ctx.sync)
-    w.verify()
+    warm_up(ctx, core, w.verify)
     recs = []
     for _ in range(n):
         _, ts = timed(lambda: core.sleep(WEIGHTS_TAG), ctx.sync)
@@ -135,12 +146,11 @@ def random_rows(ctx: Context, core: Any, w: Any, wbytes: int, h2d: float, d2h: f
     off, auto = med["off"], med["auto"]
     label = "random bytes (torch.randint 0-255)"
     raw = "compress='off' on the same bytes in this run (today's raw path)"
-    steady = f"(median of {n} after a warm-up)"
-    sleep_off = res.bandwidth("compress_random_off_sleep", f"sleep, {label}, compress='off' {steady}", wbytes,
+    sleep_off = res.bandwidth("compress_random_off_sleep", f"sleep, {label}, compress='off' {steady(n)}", wbytes,
                               off["sleep_s"], d2h, "device->host copy of the raw bytes")
     wake_off = res.bandwidth("compress_random_off_wake", f"wake {_pause_note(ctx)}, {label}, compress='off'", wbytes,
                              off["wake_s"], h2d, "host->device copy of the raw bytes")
-    res.bandwidth("compress_random_auto_sleep", f"sleep, {label}, compress='auto' {steady}", wbytes,
+    res.bandwidth("compress_random_auto_sleep", f"sleep, {label}, compress='auto' {steady(n)}", wbytes,
                   auto["sleep_s"], sleep_off, raw + _target(ctx, ">= 0.95x"))
     res.bandwidth("compress_random_auto_wake", f"wake {_pause_note(ctx)}, {label}, compress='auto'", wbytes,
                   auto["wake_s"], wake_off, raw + _target(ctx, ">= 0.95x"))
@@ -169,8 +179,7 @@ def many_rows(ctx: Context, core: Any, make: Callable[[list], Any], granularity:
                 continue
             m = _sleep_wake(ctx, core, w, n)
             key = f"compress_many_{mode}"
-            res.bandwidth(f"{key}_sleep", f"sleep, {label}, compress={mode!r} (median of {n} after a warm-up)",
-                          total, m["sleep_s"],
+            res.bandwidth(f"{key}_sleep", f"sleep, {label}, compress={mode!r} {steady(n)}", total, m["sleep_s"],
                           d2h, "device->host copy of the raw bytes" + _target(ctx, ">= 1.3x" if mode != "off" else ""))
             res.bandwidth(f"{key}_wake", f"wake {_pause_note(ctx)}, {label}, compress={mode!r}", total, m["wake_s"],
                           h2d, "host->device copy of the raw bytes" + _target(ctx, ">= 1.35x" if mode != "off" else ""))
