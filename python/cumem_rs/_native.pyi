@@ -62,8 +62,8 @@ __version__: str
 #: Operation names accepted by `Allocator.inject_fault` (simulated driver only).
 FAULT_OPS: list[str]
 #: Also accepted by `inject_fault`, but the call succeeds with wrong results instead of failing:
-#: "decompress_corrupt" flips a byte of what a wake's decompression restored, which the wake's verification
-#: against the sleep's fingerprints must catch.
+#: "decompress_corrupt" flips a byte of what a wake's decompression restored, "copy_h2d_corrupt" one of what a
+#: host -> device copy wrote, which the wake's verification against the sleep's fingerprints must catch.
 CORRUPTING_FAULT_OPS: list[str]
 #: Error kinds accepted by `Allocator.inject_fault`.
 FAULT_ERRORS: list[str]
@@ -221,9 +221,11 @@ class Allocator:
         copied_bytes + skipped_bytes. Sizes are the allocations' rounded (mapped) sizes."""
     def wake_up(self, tags: Optional[Union[str, Sequence[str]]] = None) -> Report:
         """Map new physical memory at the same addresses for asleep allocations of `tags` (None = all) and copy
-        backups back. Transactional: on failure nothing is woken and the backups are kept. Returns a `Report` like
-        sleep's: copied_bytes restored, discarded_bytes woken without contents, zeroed_bytes of those filled with
-        zeros per their tag's wake_fill policy."""
+        backups back. Transactional: on failure nothing is woken and the backups are kept. Every restored chunk is
+        compared with the fingerprint its sleep took (any tier; CUMEM_RS_VERIFY_WAKE=0 turns it off): a mismatch
+        fails the wake like a failed copy. Returns a `Report` like sleep's: copied_bytes restored, discarded_bytes
+        woken without contents, zeroed_bytes of those filled with zeros per their tag's wake_fill policy,
+        verified_bytes of those restored that were verified."""
     def discard(self, tags: Union[str, Sequence[str]]) -> Report:
         """Release awake allocations of `tags` without backup (contents undefined after wake)."""
     def read(self, address: int, size: int) -> bytes:

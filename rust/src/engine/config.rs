@@ -15,6 +15,9 @@ pub const RETAIN_ENV: &str = "CUMEM_RS_RETAIN_BACKUPS";
 pub const WAKE_GROUP_ENV: &str = "CUMEM_RS_WAKE_GROUP_BYTES";
 /// `CUMEM_RS_COMPRESS`: `0` turns compressed backups off (default on where the driver has a codec).
 pub const COMPRESS_ENV: &str = "CUMEM_RS_COMPRESS";
+/// `CUMEM_RS_VERIFY_WAKE`: `0` turns off the comparison of what every wake restores with the fingerprints its
+/// sleep took (default on; see `crate::backups` verify.rs).
+pub const VERIFY_WAKE_ENV: &str = "CUMEM_RS_VERIFY_WAKE";
 /// `CUMEM_RS_HOST_MEMORY_LIMIT`: a cap on the host memory backups may take (see `crate::host_guard`).
 pub use crate::host_guard::LIMIT_ENV as HOST_MEMORY_LIMIT_ENV;
 
@@ -36,6 +39,8 @@ pub struct EngineConfig {
     pub spill_dir: Option<std::path::PathBuf>,
     /// Compress host backups where the driver has a codec (`CUMEM_RS_COMPRESS=0`: off).
     pub compress: bool,
+    /// Verify every wake against the sleep's fingerprints (`CUMEM_RS_VERIFY_WAKE=0`: off).
+    pub verify_wake: bool,
 }
 
 impl Default for EngineConfig {
@@ -49,6 +54,7 @@ impl Default for EngineConfig {
             host_budget: None,
             spill_dir: None,
             compress: true,
+            verify_wake: true,
         }
     }
 }
@@ -91,6 +97,9 @@ impl EngineConfig {
         if let Some(v) = var(COMPRESS_ENV) {
             c.compress = v != "0";
         }
+        if let Some(v) = var(VERIFY_WAKE_ENV) {
+            c.verify_wake = v != "0";
+        }
         c.spill_dir = var(SPILL_DIR_ENV).filter(|v| !v.is_empty()).map(Into::into);
         c
     }
@@ -104,6 +113,7 @@ impl EngineConfig {
             host_budget: self.host_budget,
             spill_dir: self.spill_dir.clone(),
             compress: self.compress,
+            verify_wake: self.verify_wake,
         }
     }
 }
@@ -149,5 +159,8 @@ mod tests {
         assert!(with(&[]).compress);
         assert!(!with(&[(COMPRESS_ENV, "0")]).compress);
         assert!(with(&[(COMPRESS_ENV, "1")]).compress);
+        assert!(with(&[]).verify_wake);
+        assert!(!with(&[(VERIFY_WAKE_ENV, "0")]).verify_wake);
+        assert!(with(&[(VERIFY_WAKE_ENV, "1")]).verify_wake);
     }
 }
