@@ -19,6 +19,7 @@
 //!   overwritten; copies into it are always waited for before that.
 
 use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
 use std::time::Instant;
 
 use super::file_tier::{align_runs, FileRewrite};
@@ -106,8 +107,10 @@ impl Retention {
 
 /// The fingerprint part of one sleep, in three steps: `begin_sleep_prints` (queue), `issue_changed_chunks`
 /// (compare, queue the copies of changed chunks), then the engine releases each retained allocation as
-/// `next_changed` reports its copies done, and `keep_sleep_prints` keeps the new prints.
+/// `next_changed` reports its copies done, and `keep_sleep_prints` keeps the new prints. Dropped before the end
+/// (a sleep unwinding from a panic), it still waits for every marker it recorded and forgets its batches.
 pub struct SleepPrints {
+    driver: Arc<dyn Driver>,
     /// Whether wakes retained when this sleep began (else it takes no prints).
     retaining: bool,
     batches: Batches,
@@ -138,6 +141,24 @@ fn wait_marker_or_stream(driver: &dyn Driver, device: i32, marker: Option<u64>) 
     match marker {
         Some(m) => driver.wait_marker(device, m),
         None => driver.wait(device),
+    }
+}
+
+impl Drop for SleepPrints {
+    fn drop(&mut self) {
+        // Nothing left in the usual order: `read_sleep_prints` took the markers and batches, the engine drained
+        // `queued`. After a panic, no marker may stay unwaited, nor a batch block the device's next one.
+        for (dev, m) in std::mem::take(&mut self.markers) {
+            let _ = wait_marker_or_stream(&*self.driver, dev, m);
+        }
+        for (_, _, point) in std::mem::take(&mut self.queued) {
+            if let Some((dev, m)) = point {
+                let _ = wait_marker_or_stream(&*self.driver, dev, m);
+            }
+        }
+        for (dev, _) in std::mem::take(&mut self.batches) {
+            let _ = self.driver.take_fingerprints(dev);
+        }
     }
 }
 
@@ -353,6 +374,7 @@ impl BackupStore {
     ) -> SleepPrints {
         let started = Instant::now();
         let mut sp = SleepPrints {
+            driver: self.driver.clone(),
             retaining: self.retaining(),
             batches: Batches::new(),
             markers: Vec::new(),
@@ -525,16 +547,16 @@ impl BackupStore {
     /// Sleep, last step (every retained allocation released or left awake): the retained backups of this sleep's
     /// allocations are gone (released ones are asleep with them now; the others stay awake without one), and
     /// every allocation now asleep with a backup keeps the prints taken now (verify.rs holds them until its wake).
-    pub fn keep_sleep_prints(&mut self, sp: SleepPrints) {
+    pub fn keep_sleep_prints(&mut self, mut sp: SleepPrints) {
         self.retention.drop(&sp.backed);
         self.views.slept(&sp.backed);
-        let mut now = sp.now;
+        let mut now = std::mem::take(&mut sp.now);
         if !sp.retaining {
             let asleep = sp.backed.iter().filter(|a| self.asleep.contains_key(a));
             self.retention.unprinted.extend(asleep);
         }
         let chunk = self.retention.chunk;
-        for addr in sp.backed {
+        for addr in std::mem::take(&mut sp.backed) {
             if let (true, Some(prints)) = (self.asleep.contains_key(&addr), now.remove(&addr)) {
                 // Taken only for the wake's verification (wakes did not retain): no wake binds with them, as
                 // before verification took them (see `unprinted`).
