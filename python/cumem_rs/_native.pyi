@@ -374,6 +374,7 @@ class Allocator:
         retained by an awake one) is raw host memory; None otherwise (no backup, compressed, in a file: read_backup
         copies those). The bytes stay mapped as long as the `HostBytes` lives, whatever happens to the backup.
         `writable` (default True): the caller may write through it, which makes the next sleep of the allocation
-        copy it whole; False promises to only read. ValueError outside every allocation."""
+        copy it whole, and a write into an asleep backup is restored as written (that wake does not verify it
+        against the sleep's fingerprints); False promises to only read. ValueError outside every allocation."""
     def keep_host_memory(self) -> bool:
         """The setting of `set_keep_host_memory`."""

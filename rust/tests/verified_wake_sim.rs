@@ -10,8 +10,8 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use common::{assert_no_leaks, engine, pattern, raw_engine, GRAN};
-use cumem_rs::driver::{Driver, Op};
 use cumem_rs::backups::BackupTier;
+use cumem_rs::driver::{Driver, Op};
 use cumem_rs::{Compress, Engine, EngineConfig, Error, SimConfig, SimDriver, TagPolicy};
 
 const CUDA_ERROR_UNKNOWN: i32 = 999;
@@ -38,7 +38,10 @@ fn assert_failed_whole(err: &Error, e: &Engine, sim: &SimDriver, addr: u64, mapp
         "{msg}"
     );
     assert!(
-        e.allocations().unwrap().iter().all(|a| a.asleep && a.backed_up),
+        e.allocations()
+            .unwrap()
+            .iter()
+            .all(|a| a.asleep && a.backed_up),
         "every allocation stays asleep with its backup"
     );
     assert_eq!(
@@ -118,7 +121,11 @@ fn a_raw_host_backup_restored_wrong_fails_the_wake_whole_and_a_later_wake_succee
     let err = wake(&e).unwrap_err();
     assert_failed_whole(&err, &e, &sim, a, mapped);
     assert!(err.to_string().contains("raw host backup"), "{err}");
-    assert_eq!(e.stats().host_tier_bytes, da.len() + db.len(), "backups kept");
+    assert_eq!(
+        e.stats().host_tier_bytes,
+        da.len() + db.len(),
+        "backups kept"
+    );
     assert_eq!(e.read_backup(a, da.len()).unwrap().unwrap(), da);
     let rep = wake(&e).unwrap();
     assert_eq!(rep.verified_bytes, da.len() + db.len());
@@ -190,7 +197,10 @@ fn a_retained_file_backup_damaged_while_awake_fails_the_wake_and_is_written_whol
     let (a, da) = weights(&e, 4, 6);
     e.sleep(&["weights"]).unwrap();
     wake(&e).unwrap();
-    assert!(e.retains_backups().unwrap(), "the sim runs the fingerprint kernel");
+    assert!(
+        e.retains_backups().unwrap(),
+        "the sim runs the fingerprint kernel"
+    );
     let files = dir.files();
     assert_eq!(files.len(), 1, "the retained file backup keeps its file");
     let old = overwrite(&files[0], 0, &[0u8; 64]);
@@ -283,7 +293,11 @@ fn with_verification_off_damage_goes_unseen_and_nothing_is_verified() {
         "no fingerprint pass at wake"
     );
     let now = e.read(a, da.len()).unwrap();
-    assert_eq!(&now[GRAN..GRAN + 40], &[0xA5; 40], "the damage was restored");
+    assert_eq!(
+        &now[GRAN..GRAN + 40],
+        &[0xA5; 40],
+        "the damage was restored"
+    );
     e.close().unwrap();
     assert_no_leaks(&sim);
 }
@@ -305,7 +319,9 @@ fn one_wake_names_every_allocation_found_wrong_and_checks_each_device() {
         .unwrap();
     let err = wake(&e).unwrap_err().to_string();
     assert!(
-        err.contains("allocations") && err.contains(&format!("{on0:#x}")) && err.contains(&format!("{on1:#x}")),
+        err.contains("allocations")
+            && err.contains(&format!("{on0:#x}"))
+            && err.contains(&format!("{on1:#x}")),
         "{err}"
     );
     assert_eq!(sim.counts().fingerprint_batches, 0, "every batch taken");

@@ -3,7 +3,8 @@
 //! Where an allocation's backed-up contents live (`Backup`: a piece of a shared pinned host arena, or of an
 //! unlinked spill file), the arenas themselves and the cached one kept for the next sleep (`HostPool`), the bound
 //! on the host memory they hold (bound.rs) and the host budget (budget.rs), backups kept bound to awake
-//! allocations with their chunk fingerprints (retain.rs), the background worker that pins the next sleep's arena
+//! allocations with their chunk fingerprints (retain.rs), the wake's check of every restored chunk against the
+//! fingerprints its sleep took, at every tier (verify.rs), the background worker that pins the next sleep's arena
 //! ahead of time (pin_ahead.rs), and the file tier (file_tier.rs and its wake pipeline file_wake.rs, compressed
 //! file backups in file_packed.rs, over staging.rs, spill_file.rs and the I/O threads of io_workers.rs) all live
 //! here.

@@ -142,7 +142,8 @@ impl BackupStore {
             let size = reg.get(addr).expect("selected").size;
             let printed = (backup.own_prints())
                 .or_else(|| (self.verify.asleep.get(&addr)).map(|p| (p.chunk, &p.prints[..])));
-            let Some((chunk, prints)) = printed.filter(|(c, p)| p.len() == size.div_ceil(*c)) else {
+            let Some((chunk, prints)) = printed.filter(|(c, p)| p.len() == size.div_ceil(*c))
+            else {
                 continue; // no prints to compare with
             };
             let expected = Expected {
