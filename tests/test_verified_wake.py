@@ -260,3 +260,37 @@ def test_a_write_through_a_writable_view_while_asleep_is_restored_as_written(sim
     assert rep["verified_bytes"] == len(other), "the written one is the caller's"
     assert sim.read(addr, len(data)) == data[:16] + BAD + data[16 + len(BAD) :]
     assert sim.read(b, len(other)) == other
+
+
+def test_set_verify_wakes_switches_it_at_run_time(sim, tmp_path):
+    """Read at each wake: off, a damaged backup is restored as it lay; on again, the next sleep's backup is checked.
+    A sleep while off (and without retained backups) takes no prints: its backup wakes unverified."""
+    sim.set_spill_dir(tmp_path, named=True)
+    sim.set_tag_policy(TAG, backup_tier="file", compress="off")
+    sim.set_retain_backups(False)
+    assert sim.verifies_wakes()
+    data = os.urandom(2 * GRAN)
+    addr = alloc(sim, data)
+    sim.sleep(TAG)  # prints taken
+    (file,) = named_files(tmp_path)
+    overwrite(file, GRAN, BAD)
+    sim.set_verify_wakes(False)
+    assert sim.wake_up(None)["verified_bytes"] == 0 and not sim.verifies_wakes()
+    assert sim.read(addr, len(data))[GRAN : GRAN + len(BAD)] == BAD, "off: restored as it lay"
+    sim.write(addr, data)
+    sim.sleep(TAG)  # off, no retention: no prints
+    sim.set_verify_wakes(True)
+    assert sim.wake_up(None)["verified_bytes"] == 0, "nothing to compare with"
+    sim.sleep(TAG)
+    (file,) = named_files(tmp_path)
+    old = overwrite(file, GRAN, BAD)
+    with pytest.raises(CumemError, match="did not restore intact"):
+        sim.wake_up(None)
+    overwrite(file, GRAN, old)
+    assert sim.wake_up(None)["verified_bytes"] == len(data)
+    assert sim.read(addr, len(data)) == data
+    with pytest.raises(cumem_rs.CumemTypeError, match="on must be"):
+        sim.set_verify_wakes(None)
+    sim.close()
+    with pytest.raises(cumem_rs.ClosedError):
+        sim.verifies_wakes()

@@ -309,6 +309,13 @@ class Allocator:
         chunks whose GPU fingerprint changed (default on; env CUMEM_RS_RETAIN_BACKUPS=0). False drops them all."""
     def retains_backups(self) -> bool:
         """Whether wakes keep backups now: policy on, host memory kept, fingerprint kernel available."""
+    def set_verify_wakes(self, on: bool) -> None:
+        """Compare what every wake restores with the fingerprints its sleep took, at every tier (default on; env
+        CUMEM_RS_VERIFY_WAKE=0 starts it off). A mismatch fails the wake like a failed copy. Sleeps take those
+        fingerprints while it is on (or backups are retained); a backup made by a sleep that took none wakes
+        unverified."""
+    def verifies_wakes(self) -> bool:
+        """The setting of `set_verify_wakes`."""
     def set_fingerprint_chunk(self, nbytes: int) -> None:
         """Bytes per fingerprinted chunk (positive multiple of 16; default 2 MiB). A change drops retained backups."""
     def set_wake_group_bytes(self, nbytes: int) -> None:

@@ -118,6 +118,11 @@ impl BackupStore {
         self.verify.on
     }
 
+    /// Verification on or off from the next wake on (and whether sleeps take prints for it).
+    pub fn set_verify_wakes(&mut self, on: bool) {
+        self.verify.on = on;
+    }
+
     /// Wake, once every restore is issued and every allocation of `placed` ((device, addr), asleep with a backup)
     /// is mapped: queue the fingerprints of their chunks, one batch per device, on the copy stream behind the
     /// restore copies (see the module comment). The check comes back whatever the result (a device whose batch
