@@ -1,9 +1,11 @@
 """Every ```python block of README.md and docs/*.md runs on the simulated device, so that none goes stale.
 
 Each block runs alone in a fresh interpreter (CUDA hidden, a timeout, a temporary working directory) and must exit
-0. A block that cannot run there says so in its first line, with the reason: `# needs: gpu (why)` or
-`# needs: vllm (why)`; those are skipped (the GPU's test run does not run them either: they stand for a user's
-program, with its model). Shell blocks are not run.
+0. A block that cannot run there says so in its first line, with the reason:
+- `# needs: gpu (why)`: a whole program that needs a GPU; skipped here, run (CUDA visible) where a GPU is usable;
+- `# needs: vllm (why)`: needs vLLM serving a model; never run;
+- `# needs: model (why)`: a fragment around the user's own model or workers (placeholders); never run.
+Shell blocks are not run.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ pytestmark = pytest.mark.skipif(not README.is_file() or not DOCS.is_dir(),
 
 #: The marker of a block that cannot run on the simulated device: its first line, the need and why.
 MARKER = re.compile(r"#\s*needs:\s*(?P<need>\S+?)\s*\((?P<why>[^)]*)\)\s*$")
-NEEDS = ("gpu", "vllm")
+NEEDS = ("gpu", "vllm", "model")
 TIMEOUT_S = 120
 
 
@@ -74,12 +76,26 @@ def need_of(code: str) -> str | None:
     return m["need"]
 
 
+def gpu_usable() -> bool:
+    import cumem_rs
+
+    if not cumem_rs.cuda_available():
+        return False
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
 @pytest.mark.parametrize("where, code", BLOCKS, ids=[w for w, _ in BLOCKS])
 def test_block_runs_on_the_simulated_device(where, code, tmp_path):
     need = need_of(code)
-    if need is not None:
+    if need == "gpu" and not gpu_usable():
+        pytest.skip(f"{where}: needs a GPU")
+    if need not in (None, "gpu"):
         pytest.skip(f"{where}: needs {need}")
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
+    env = dict(os.environ) if need == "gpu" else dict(os.environ, CUDA_VISIBLE_DEVICES="")
     p = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
                        timeout=TIMEOUT_S)
     assert p.returncode == 0, f"{where} failed:\n{code}\n--- stdout\n{p.stdout}\n--- stderr\n{p.stderr}"
@@ -93,6 +109,7 @@ def test_the_block_finder_and_the_markers(tmp_path):
     assert [line for line, _ in blocks] == [5, 11]
     assert need_of(blocks[0][1]) is None and need_of(blocks[1][1]) == "gpu"
     assert need_of("# needs: vllm (a served model)\n") == "vllm"
+    assert need_of("\n# needs: model (your loader)\nmodel = load()\n") == "model"
     for bad in ("# needs: gpu\n", "# needs: tpu (why)\n", "# needs: gpu ()\n"):
         with pytest.raises(AssertionError, match="bad marker"):
             need_of(bad)
