@@ -30,8 +30,8 @@ that API is accepted, and the calls do what they do there, over `CuMemAllocator`
 * the `TMS_*` environment variables, read when the saver initialises (`_tms_env.py`).
 
 Where torch_memory_saver exits the process (a CUDA error, pausing a paused tag, an unknown tensor, a bad
-environment value), this raises a Python exception instead. The README section "Switching from
-torch_memory_saver" lists every difference.
+environment value), this raises a Python exception instead. docs/torch_memory_saver.md lists every
+difference.
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ __all__ = [
 WakeFill = Literal["undefined", "zero"]
 #: Where a tag's backups go: pinned host memory, the spill directory, or host up to the budget then files.
 BackupTier = Literal["host", "file", "auto"]
-#: Whether and how a tag's host backups are compressed ("auto": the 16-bit mode; see the README).
+#: Whether and how a tag's host backups are compressed ("auto": the 16-bit mode; see docs/compression.md).
 Compress = Literal["auto", "off", "bits16", "bits8", "bytes"]
 
 

@@ -1,5 +1,5 @@
 //! The engine's configuration: every environment variable the Rust side reads, read once, when an engine is made.
-//! (The README's table of environment variables lists these and the Python-side ones.)
+//! (docs/configuration.md's table of environment variables lists these and the Python-side ones.)
 
 pub use crate::backups::BUDGET_ENV as HOST_BUDGET_ENV;
 pub use crate::backups::SPILL_DIR_ENV;
