@@ -15,7 +15,7 @@ import pytest
 from cumem_rs import Allocator
 from cumem_rs.bench import TABLES, add_arguments
 from cumem_rs.bench import main as bench_main
-from cumem_rs.bench import config, rl_loop, rl_report
+from cumem_rs.bench import rl_loop, rl_report
 from cumem_rs.bench.rl_data import SimRlWeights, chunks_to_rewrite
 from cumem_rs.workload import WEIGHTS_TAG, VerificationError, reference_workload, sim_granularity, total_bytes
 
@@ -190,22 +190,6 @@ def test_rl_loop_is_the_first_table_a_bench_run_prints(tmp_path, capsys):
     assert titled and "rl_loop (sim" in titled[0] and "steady state" in titled[0]
     final = out.rindex("steady state")
     assert final > out.index("malloc/free") and out.index("malloc/free", final) > final
-
-
-def test_config_label_names_what_differs_from_the_default(tmp_path):
-    a = Allocator.simulated()
-    try:
-        assert config.describe(a).startswith("default: compress auto")
-        a.set_retain_backups(False)
-        assert config.describe(a) == "compress auto, retain off, budget none, host tier"
-        a.set_retain_backups(True)
-        a.set_host_budget(1 << 20)
-        assert config.describe(a) == "compress auto, retain on, budget 1.00 MiB, host tier"
-        a.set_host_budget(None)
-        a.set_tag_policy(WEIGHTS_TAG, backup_tier="file", compress="off")
-        assert config.describe(a) == "compress off, retain on, budget none, file tier"
-    finally:
-        a.close()
 
 
 def test_from_json_prints_the_table_again(tmp_path, capsys):

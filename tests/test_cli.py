@@ -222,8 +222,12 @@ def test_bench_every_table_on_the_simulated_device(tmp_path):
     data = json.loads(out.read_text())
     m = data["metrics"]
     assert m["errors"] == []
-    assert set(m["table_seconds"]) == {"peer", "sleep_wake", "retained", "wall", "pin_ahead", "alloc_count",
-                                       "malloc", "file_tier", "compress", "swap"}
+    assert set(m["table_seconds"]) == {"peer", "rl_loop", "sleep_wake", "retained", "wall", "pin_ahead",
+                                       "alloc_count", "malloc", "file_tier", "compress", "swap"}
+    # With no --only, the RL loop is the first table printed (the peer, first to run, prints nothing then); a
+    # given --cycles is its cycles too.
+    assert p.stdout.index("rl_loop (sim") < p.stdout.index("the limit: pinned copies")
+    assert m["rl_loop"]["cycles"] == 1 and {r["mode"] for r in m["rl_loop"]["records"]} == {"compressed", "raw"}
     w = m["weights_bytes"]
     check_file_tier_metrics(m)
 

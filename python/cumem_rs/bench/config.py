@@ -50,3 +50,19 @@ def label(s: dict[str, str]) -> str:
 def describe(alloc: Any, tag: str = WEIGHTS_TAG) -> str:
     """`label(settings(alloc, tag))`."""
     return label(settings(alloc, tag))
+
+
+def short(alloc: Any, tag: str = WEIGHTS_TAG) -> str:
+    """A row's configuration column: "default", or only what differs from it ("retain off", "compress off,
+    budget 4.00 GiB, host+file tier", ...)."""
+    s = settings(alloc, tag)
+    diffs = []
+    if s["compress"] != "auto":
+        diffs.append(f"compress {s['compress']}")
+    if s["retain"] != "on":
+        diffs.append("retain off")
+    if s["budget"] != "none":
+        diffs.append(f"budget {s['budget']}")
+    if s["tier"] != "host":
+        diffs.append(f"{s['tier']} tier")
+    return ", ".join(diffs) if diffs else DEFAULT
