@@ -62,6 +62,8 @@ def test_every_fraction_and_mode_has_its_cycles_verified(tmp_path, capsys):
     held = {mode: [r["held_ratio"] for r in recs if r["mode"] == mode and r["fraction"] == 1.0]
             for mode in rl_loop.MODES}
     assert max(held["compressed"]) < min(held["raw"])
+    first = {r["mode"]: r["compression_ratio"] for r in recs if r["fraction"] == 1.0 and r["cycle"] == 0}
+    assert first["compressed"] < 0.9 and first["raw"] == 1.0
     out = capsys.readouterr().out
     assert "steady state" in out and "every cycle" in out and rl_report.SIM_NOTE[:40] in out
 
@@ -231,3 +233,43 @@ def test_gpu_verify_fails_on_a_modified_tensor():
 
         gc.collect()
         torch.cuda.empty_cache()
+        cumem.native.trim_host()
+
+
+def _gpu_usable() -> bool:
+    if not HAS_CUDA:
+        return False
+    import torch
+
+    return torch.cuda.is_available()
+
+
+@pytest.mark.skipif(not _gpu_usable(), reason="needs a CUDA GPU and CUDA torch")
+def test_rl_loop_on_the_gpu(tmp_path):
+    """The table through CuMemAllocator at a small scale, in a child process (a fresh process-wide allocator):
+    every cycle verified, retained backups copying only the rewritten chunks, the weights' backups compressed
+    where a codec is active and raw under compress="off". No speed is asserted."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "rl.json"
+    p = subprocess.run([sys.executable, "-m", "cumem_rs", "bench", "--backend", "cuda", "--scale", "16",
+                        "--kv-gib", "4", "--cycles", "2", "--fractions", "100,1", "--only", "rl_loop",
+                        "--json", str(out)], capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout + p.stderr
+    metrics = json.loads(out.read_text())["metrics"]
+    m = metrics["rl_loop"]
+    assert metrics["errors"] == [] and m["times_meaningful"] and m["chunk"] == 2 << 20
+    w = m["weights_bytes"]
+    recs = m["records"]
+    assert len(recs) == 2 * 2 * 3
+    assert all(r["verified"] for r in recs if r["cycle"] > 0)
+    assert all(r["discarded_bytes"] >= 4 * (1 << 30) // 16 for r in recs)  # the KV cache
+    one = [r for r in recs if r["fraction"] == 0.01 and r["cycle"] > 0]
+    assert one and all(r["copied_bytes"] <= 0.05 * w for r in one)
+    assert m["configs"]["raw"].startswith("compress off, retain on")
+    if m["codec"]:
+        assert m["configs"]["compressed"].startswith("default: compress auto")
+        # bf16-like weights shrink (about 2/3 with nvCOMP's ANS); raw backups are never "compressed".
+        first = {r["mode"]: r["compression_ratio"] for r in recs if r["fraction"] == 1.0 and r["cycle"] == 0}
+        assert first["compressed"] < 0.9 and first["raw"] == 1.0

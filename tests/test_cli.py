@@ -421,7 +421,7 @@ def test_rewrites_touch_exactly_the_chosen_chunks():
 @pytest.mark.skipif(not (ROOT / "benches").is_dir(), reason="needs the source tree (benches/)")
 def test_bench_script_wrapper(tmp_path):
     p = subprocess.run([sys.executable, str(ROOT / "benches" / "bench_sleep_wake.py"), "--backend", "sim",
-                        "--scale", "2048", "--cycles", "1", "--malloc-count", "20", "--kv-gib", "0"],
+                        "--scale", "2048", "--cycles", "1", "--kv-gib", "0", "--only", "sleep_wake"],
                        cwd=tmp_path, capture_output=True, text=True, timeout=60)
     assert p.returncode == 0, p.stdout + p.stderr
     assert "sleep, steady (median of 1)" in p.stdout

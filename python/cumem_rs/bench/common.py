@@ -47,11 +47,12 @@ def print_table(title: str, columns: list[str], rows: list[list[str]], left: Opt
     console = Console()
     if not console.is_terminal:
         # Piped output gets 80 columns by default, which would wrap the numbers.
-        console = Console(width=160)
+        console = Console(width=200)
     table = Table(title=title)
     for i, c in enumerate(columns):
         lefts = {0, len(columns) - 1} if left is None else left
-        table.add_column(c, justify="left" if i in lefts else "right")
+        # The first column names the row: never wrapped, so that a name can be found in the output.
+        table.add_column(c, justify="left" if i in lefts else "right", no_wrap=i == 0)
     for r in rows:
         table.add_row(*r)
     console.print(table)
