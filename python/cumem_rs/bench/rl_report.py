@@ -80,26 +80,26 @@ def header(m: dict) -> list[str]:
 def show(m: dict) -> None:
     for line in header(m):
         print(f"  {line}")
-    rows = []
+    rows: list[list[str]] = []
     by = {(s["fraction"], s["mode"]): s for s in summary(m)}
     for f in fractions(m["records"]):
         c, r = by.get((f, "compressed")), by.get((f, "raw"))
-        cells = [pct(f)]
+        row = [pct(f)]
         for key in ("sleep", "wake", "held"):
-            cells += [_spread(c[key]) if c else "", _spread(r[key]) if r else ""]
-        cells.append("yes" if all(s and s["verified"] for s in (c, r)) else "NO")
-        rows.append(cells)
+            row += [_spread(c[key]) if c else "", _spread(r[key]) if r else ""]
+        row.append("yes" if all(s and s["verified"] for s in (c, r)) else "NO")
+        rows.append(row)
     print_table(_title(m, "steady state, median (min-max) of the cycles after the first sleep"),
                 ["rewritten", "sleep compressed", "sleep raw", "wake compressed", "wake raw",
                  "host held compressed", "host held raw", "verified"], rows)
-    cells = []
-    for r in m["records"]:
+    cells: list[list[str]] = []
+    for rec in m["records"]:
         cells.append([
-            pct(r["fraction"]), r["mode"], str(r["cycle"]) if r["cycle"] else "0 (first)",
-            fmt_seconds(r["sleep_s"]), f"{r['sleep_ratio']:.2f}x", fmt_bytes(r["copied_bytes"]),
-            fmt_seconds(r["wake_s"]), "" if r["wake_ratio"] is None else f"{r['wake_ratio']:.2f}x",
-            f"{fmt_bytes(r['in_use'])} + {fmt_bytes(r['cached'])}", f"{r['held_ratio']:.3f}x",
-            "yes" if r["verified"] else "-",
+            pct(rec["fraction"]), rec["mode"], str(rec["cycle"]) if rec["cycle"] else "0 (first)",
+            fmt_seconds(rec["sleep_s"]), f"{rec['sleep_ratio']:.2f}x", fmt_bytes(rec["copied_bytes"]),
+            fmt_seconds(rec["wake_s"]), "" if rec["wake_ratio"] is None else f"{rec['wake_ratio']:.2f}x",
+            f"{fmt_bytes(rec['in_use'])} + {fmt_bytes(rec['cached'])}", f"{rec['held_ratio']:.3f}x",
+            "yes" if rec["verified"] else "-",
         ])
     print_table(_title(m, "every cycle"),
                 ["rewritten", "mode", "cycle", "sleep", "x link", "copied", "wake", "x link",
