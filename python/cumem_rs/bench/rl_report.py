@@ -90,8 +90,8 @@ def show(m: dict) -> None:
         row.append("yes" if all(s and s["verified"] for s in (c, r)) else "NO")
         rows.append(row)
     print_table(_title(m, "steady state, median (min-max) of the cycles after the first sleep"),
-                ["rewritten", "sleep compressed", "sleep raw", "wake compressed", "wake raw",
-                 "host held compressed", "host held raw", "verified"], rows)
+                ["rewritten", "sleep x link, compressed", "sleep x link, raw", "wake x link, compressed",
+                 "wake x link, raw", "host held x raw, compressed", "host held x raw, raw", "verified"], rows)
     cells: list[list[str]] = []
     for rec in m["records"]:
         cells.append([
