@@ -20,6 +20,7 @@ from ..workload import (
     reference_workload,
     total_bytes,
 )
+from . import config
 from .common import Context, Results, fmt_bytes, fmt_seconds, report_seconds, say, timed
 from .limits import limit
 from .malloc import raw_kv_baseline
@@ -107,6 +108,7 @@ def _sim(ctx: Context, specs: list, wbytes: int, limit_gbps: float) -> None:
     alloc = sim_allocator(ctx.scale, (s.nbytes for s in specs))
     try:
         alloc.set_retain_backups(False)
+        res.configure(config.short(alloc))
         wl = AllocatorWorkload(alloc, specs)
         wl.allocate()
         wl.fill(WEIGHTS_TAG)
@@ -150,6 +152,7 @@ def _cuda(ctx: Context, specs: list, wbytes: int, h2d: float, d2h: float) -> Non
     cumem = CuMemAllocator.get_instance()
     core = Allocator.cuda()
     core.set_retain_backups(False)
+    res.configure(config.short(core))
     wl = TorchWorkload(specs, device=ctx.device)
     # The cold row measures a sleep that pins its arena itself (the pin_ahead table measures pinning ahead).
     previous, cumem.pin_ahead = cumem.pin_ahead, False
