@@ -101,7 +101,10 @@ mod tests {
         for default in [true, false] {
             assert_eq!(flag_from(|_| None, COMPRESS, default), default);
             assert_eq!(flag_from(one(COMPRESS, ""), COMPRESS, default), default);
-            assert_eq!(flag_from(one(COMPRESS, "maybe"), COMPRESS, default), default);
+            assert_eq!(
+                flag_from(one(COMPRESS, "maybe"), COMPRESS, default),
+                default
+            );
         }
         assert!(!flag_from(one(COMPRESS, "off"), COMPRESS, true));
         assert!(flag_from(one(COMPRESS, "on"), COMPRESS, false));

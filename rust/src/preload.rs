@@ -567,7 +567,11 @@ mod tests {
         assert_eq!(no_device, Err(CUDA_ERROR_INITIALIZATION));
         // Recorded where ffi::record puts it: the process-wide CUDA engine's errors() when one exists.
         let mut recorded = ffi::ffi_errors();
-        recorded.extend(global::existing_cuda_engine().map(|e| e.errors()).unwrap_or_default());
+        recorded.extend(
+            global::existing_cuda_engine()
+                .map(|e| e.errors())
+                .unwrap_or_default(),
+        );
         assert!(
             recorded
                 .iter()
@@ -579,15 +583,24 @@ mod tests {
 
         // The runtime's other allocators: counted only where routing is on, by name, with their bytes.
         let before = unrouted_counts();
-        assert!(!note_unrouted("cudaMallocAsync", 1000), "not routed: the runtime's, as expected");
+        assert!(
+            !note_unrouted("cudaMallocAsync", 1000),
+            "not routed: the runtime's, as expected"
+        );
         push_region("r").unwrap();
         assert!(note_unrouted("cudaMallocAsync", 1000));
         assert!(note_unrouted("cudaMallocManaged", 24));
         assert!(note_unrouted("cudaFreeAsync", 0));
-        assert!(!note_unrouted("cudaMallocPitch", 5), "not a name the library reports");
+        assert!(
+            !note_unrouted("cudaMallocPitch", 5),
+            "not a name the library reports"
+        );
         pop().unwrap();
         let after = unrouted_counts();
-        assert_eq!((after.calls - before.calls, after.bytes - before.bytes), (3, 1024));
+        assert_eq!(
+            (after.calls - before.calls, after.bytes - before.bytes),
+            (3, 1024)
+        );
         set_target(None);
     }
 }

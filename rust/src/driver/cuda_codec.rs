@@ -156,7 +156,8 @@ unsafe impl Send for CodecRing {}
 unsafe impl Sync for CodecRing {}
 
 fn ring_bytes() -> usize {
-    let mib = crate::env::process_var(crate::env::NVCOMP_RING_MIB).map(|v| v.trim().parse::<usize>());
+    let mib =
+        crate::env::process_var(crate::env::NVCOMP_RING_MIB).map(|v| v.trim().parse::<usize>());
     match mib {
         None => DEFAULT_RING_MIB << 20,
         Some(Ok(m)) if m > 0 => m << 20,

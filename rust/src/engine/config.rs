@@ -154,9 +154,23 @@ mod tests {
     /// the CUDA driver reads `CUMEM_RS_COMPRESS` before it loads nvCOMP.
     #[test]
     fn switches_read_every_spelling_as_the_driver_does() {
-        for (text, on) in [("off", false), ("false", false), ("No", false), ("on", true), ("TRUE", true)] {
-            assert_eq!(with(&[(COMPRESS_ENV, text)]).compress, on, "{COMPRESS_ENV}={text}");
-            assert_eq!(with(&[(RETAIN_ENV, text)]).retain_backups, on, "{RETAIN_ENV}={text}");
+        for (text, on) in [
+            ("off", false),
+            ("false", false),
+            ("No", false),
+            ("on", true),
+            ("TRUE", true),
+        ] {
+            assert_eq!(
+                with(&[(COMPRESS_ENV, text)]).compress,
+                on,
+                "{COMPRESS_ENV}={text}"
+            );
+            assert_eq!(
+                with(&[(RETAIN_ENV, text)]).retain_backups,
+                on,
+                "{RETAIN_ENV}={text}"
+            );
         }
         // Unset, empty or unreadable: the default (on), as before.
         for text in ["", "maybe"] {
