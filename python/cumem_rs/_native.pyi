@@ -35,6 +35,7 @@ __all__ = [
     "Allocator",
     "HostBytes",
     "cuda_available",
+    "env_flag",
     "fingerprint_bytes",
     "is_cuda_allocator_ready",
     "ffi_errors",
