@@ -4,9 +4,10 @@ and the per-run context (backend, arguments, the cached references every ratio i
 from __future__ import annotations
 
 import argparse
-import os
 import time
 from typing import Any, Callable, Optional
+
+from .. import _native
 
 # ---------------------------------------------------------------------------------------------------------------
 # Formatting, shared with the demo.
@@ -180,8 +181,9 @@ def report_seconds(report: Any) -> Optional[float]:
 
 
 def retain_default() -> bool:
-    """The retained-backup policy an allocator starts with (CUMEM_RS_RETAIN_BACKUPS=0 turns it off)."""
-    return os.environ.get("CUMEM_RS_RETAIN_BACKUPS", "1") != "0"
+    """The retained-backup policy an allocator starts with (the switch CUMEM_RS_RETAIN_BACKUPS, read as the
+    engine reads it)."""
+    return _native.env_flag("CUMEM_RS_RETAIN_BACKUPS", True)
 
 
 # ---------------------------------------------------------------------------------------------------------------
