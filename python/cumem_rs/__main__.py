@@ -4,7 +4,8 @@ info   what this machine offers: the CUDA backend (devices, memory, granularity)
 demo   the main job (cumem_rs.demo): the reference workload (Llama-3-8B bf16 weights + KV cache) put to sleep and
        woken up for three cycles, every wake verified, against the link measured in the same run; on the GPU
        through CuMemAllocator, else scaled down on the simulated device (what was checked, no rates).
-bench  the benchmark tables (sleep/wake, retained backups, wall time, allocation count, malloc, the peer)
+bench  the benchmark tables (first the RL loop in the default configuration, compressed and raw; then sleep/wake,
+       retained backups, wall time, allocation count, malloc, the peer)
        against the copy limit and raw driver calls, each selectable with --only (see cumem_rs.bench).
 """
 
@@ -85,7 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_arguments(d)
     d.set_defaults(func=demo.run)
 
-    b = sub.add_parser("bench", help="sleep/wake, retained-backup, allocation-count and malloc benchmarks",
+    b = sub.add_parser("bench", help="the RL-loop table first (default configuration, compressed and raw), then sleep/wake, retained-backup, allocation-count and malloc benchmarks",
                        description=(bench.__doc__ or "").strip(),
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     bench.add_arguments(b)
