@@ -46,7 +46,7 @@ build() {
 WHEEL_DIR=target/wheels
 # glibc 2.17: the lowest manylinux tag the zig linker builds for; torch's own wheels need glibc 2.28.
 WHEEL_COMPAT=manylinux2014
-# The README promises this tag or a lower one; check_wheel_tag fails on anything newer.
+# README.md and docs/layout.md promise this tag or a lower one; check_wheel_tag fails on anything newer.
 WHEEL_MAX_GLIBC_MINOR=28
 
 wheel() {

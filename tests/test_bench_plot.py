@@ -84,3 +84,49 @@ def test_a_rate_row_is_better_above_its_reference(capsys):
     assert [better for _, _, better in plot.tables(res.rows)["compress"]] == [False, True]
     res.print("t")
     assert "0.900x" in capsys.readouterr().out
+
+
+def _rl_metrics() -> dict:
+    """RL-loop metrics as `bench --json` writes them: two fractions, two modes, a first sleep and 2 cycles."""
+    recs = []
+    for f in (1.0, 0.1):
+        for mode, held in (("compressed", 0.7), ("raw", 1.0)):
+            for cycle in range(3):
+                recs.append(dict(fraction=f, mode=mode, config="default", cycle=cycle, sleep_s=0.3,
+                                 sleep_ratio=1.0 + cycle / 10, wake_s=None if cycle == 0 else 0.2,
+                                 wake_ratio=None if cycle == 0 else 1.4, rewritten_bytes=1, copied_bytes=1,
+                                 skipped_bytes=0, discarded_bytes=1, compression_ratio=0.7, held_ratio=held,
+                                 verified=cycle > 0, in_use=7, cached=0, held=7, host_bytes=7))
+    return dict(backend="cuda", scale=1, tensors=291, weights_bytes=10, kv_bytes=48, cycles=2, fractions=[1.0, 0.1],
+                link=dict(bytes=10, d2h_gbps=55.0, h2d_gbps=55.0), times_meaningful=True, park_s=1.0, chunk=2 << 20,
+                records=recs, configs={"compressed": "default: ...", "raw": "compress off, ..."}, codec="nvcomp")
+
+
+def test_rl_series_leave_out_first_sleeps_and_break_between_fractions():
+    from cumem_rs.bench import rl_report
+
+    xs, ys = rl_report.series(_rl_metrics(), "sleep_ratio", "raw")
+    # Cycles 1 and 2 of each fraction (not the first sleep), a gap (None) after each group.
+    assert ys == [1.1, 1.2, None, 1.1, 1.2, None]
+    assert xs[:2] == [1, 2] and xs[3:5] == [4, 5]
+
+
+def test_plot_draws_the_rl_panels_with_or_without_other_rows(tmp_path):
+    pytest.importorskip("matplotlib")
+    only = tmp_path / "rl.png"
+    assert plot.plot_file([], str(only), "test", _rl_metrics()) == str(only)
+    both = tmp_path / "both.png"
+    assert plot.plot_file(ROWS, str(both), "test", _rl_metrics()) == str(both)
+    for p in (only, both):
+        assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_from_json_prints_and_draws_the_rl_table(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    saved = tmp_path / "bench.json"
+    saved.write_text(json.dumps({"metrics": {"rl_loop": _rl_metrics()}, "rows": [], "partial": False}))
+    out = tmp_path / "chart.png"
+    assert bench_main(["--from-json", str(saved), "--plot", str(out)]) == 0
+    assert out.exists()
+    text = capsys.readouterr().out
+    assert "steady state" in text and "every cycle" in text and "100%" in text and "10%" in text

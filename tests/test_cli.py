@@ -167,14 +167,115 @@ def test_main_is_the_console_entry_point(capsys):
     assert "sim backend" in capsys.readouterr().out
 
 
-def test_demo_on_the_simulated_device():
-    p = run_cli("demo", "--backend", "sim", "--scale", "512", "--cycles", "2")
+def test_demo_on_the_simulated_device_says_what_it_verified_and_no_rates():
+    p = run_cli("demo", "--backend", "sim", "--scale", "512")
     assert p.returncode == 0, p.stdout + p.stderr
     out = p.stdout
-    assert "292 tensors" in out
-    assert "sleep #2" in out and "wake_up #2" in out and "verify #2" in out
-    assert "-> 0 B asleep" in out  # sleep released every mapped byte
-    assert out.rstrip().endswith("weights verified bit-identical at unchanged addresses")
+    lines = out.rstrip().splitlines()
+    assert len(lines) <= 22, out  # the story in about twenty lines
+    assert "291 weight tensors" in out and "normal_()*0.02" in out
+    assert "say nothing about GPU speed" in out
+    # No rate, time or ratio of an emulation.
+    for word in ("GB/s", " ms", "µs", "x link", "the link"):
+        assert word not in out, word
+    assert "codec: sim: zstd" in out
+    rows = {ln.split(":")[0].strip(): ln for ln in lines if ln.startswith("  cycle ")}
+    assert list(rows) == [f"cycle {c} {call}" for c in (1, 2, 3) for call in ("sleep", "wake")]
+    assert "-> 0 B mapped" in rows["cycle 1 sleep"] and "cold" in rows["cycle 1 sleep"]
+    assert " 0 B copied" in rows["cycle 2 sleep"]  # unchanged since the wake: a retained backup, nothing copied
+    assert "4 layers rewritten" in rows["cycle 3 sleep"]
+    for c in (1, 2, 3):
+        assert "291 checksums equal, 292 addresses same" in rows[f"cycle {c} wake"]
+    assert "every wake verified bit-identical" in out
+    summary = lines[lines.index("summary (simulated device: what was checked, not how fast):") + 1:][:3]
+    assert [ln.split(":")[0].strip() for ln in summary] == ["sleep", "wake", "host"]
+    assert "0 B with the weights unchanged" in summary[0]
+    assert out.rstrip().endswith("every wake bit-identical at unchanged addresses")
+
+
+def test_demo_cycles_and_its_summary_when_the_weights_are_rewritten(capsys):
+    from cumem_rs.demo import cycle_kind
+
+    assert [cycle_kind(c, 1) for c in (1,)] == ["cold"]
+    assert [cycle_kind(c, 2) for c in (1, 2)] == ["cold", "unchanged"]
+    assert [cycle_kind(c, 4) for c in (1, 2, 3, 4)] == ["cold", "unchanged", "unchanged", "rewritten"]
+    assert main(["demo", "--backend", "sim", "--scale", "2048", "--kv-gib", "0", "--cycles", "4"]) == 0
+    out = capsys.readouterr().out
+    copied = {}
+    for ln in out.splitlines():
+        if ln.startswith("  cycle ") and " sleep:" in ln:
+            copied[int(ln.split()[1])] = ln.split(":", 1)[1].split("copied")[0].split()[-2:]
+    assert len(copied) == 4
+    assert copied[2] == copied[3] == ["0", "B"]  # both steady sleeps of unchanged weights copied nothing
+    assert copied[4] != ["0", "B"] and copied[1] != copied[4]
+
+
+def test_sim_weights_verification_detects_a_changed_byte_and_a_freed_allocation():
+    from cumem_rs.demo import SimWeights
+
+    specs = reference_workload(4096, kv_gib=0)[:6]
+    sim = SimWeights(specs, 4096, seed=1)
+    try:
+        sim.allocate()
+        sim.fill(list(range(len(specs))), seed=1)
+        assert sim.verify() == "6 checksums equal, 6 addresses same"
+        a = sim.addresses[3]
+        b = sim.alloc.read(a, 1)
+        sim.alloc.write(a, bytes([b[0] ^ 1]))
+        with pytest.raises(VerificationError, match=specs[3].name.replace(".", r"\.")):
+            sim.verify()
+        sim.alloc.write(a, b)
+        sim.verify()
+        sim.alloc.free(sim.addresses[5])
+        with pytest.raises(VerificationError, match="not awake at their addresses"):
+            sim.verify()
+        sim.addresses.pop()
+    finally:
+        sim.close()
+
+
+def test_gpu_story_ratios_and_summary_against_the_link(capsys):
+    """The GPU run's arithmetic and wording, from figures given: a ratio is the link's time for the raw weight
+    bytes over the step's, sleeps against device->host and wakes against host->device."""
+    from cumem_rs.demo import Step, Story, _gpu_summary
+
+    story = Story(wbytes=40 * 10**9, link=(50.0, 40.0))  # the link: 0.8 s to the GPU, 1.0 s back
+    steps = [Step(1, "cold", "sleep", 1.25, 0, 30 << 30), Step(1, "cold", "wake", 0.8, 0, 30 << 30),
+             Step(2, "unchanged", "sleep", 0.2, 0, 28 << 30), Step(2, "unchanged", "wake", 0.5, 0, 28 << 30),
+             Step(3, "rewritten", "sleep", 0.5, 0, 28 << 30), Step(3, "rewritten", "wake", 0.8, 0, 28 << 30)]
+    for s in steps:
+        story.add(s, rewrite_bytes=4 * 10**9)
+    assert [round(story.ratio(s), 3) for s in steps] == [0.8, 1.0, 5.0, 1.6, 2.0, 1.0]
+    _gpu_summary(story, rewrite_bytes=4 * 10**9)
+    out = capsys.readouterr().out
+    assert "cycle 3 sleep: 4 layers rewritten (10%)" in out and "  5.00x" in out
+    sleep, wake, host = out.rstrip().splitlines()[-3:]
+    assert sleep == ("  sleep: 0.80x the link cold; 5.00x with the weights unchanged (0.20x of the copy's time); "
+                     "2.00x after 10% were rewritten")
+    assert wake == "  wake:  1.30x the link steady (median of 2), 1.00x cold"
+    assert host.startswith("  host:  28.00 GiB held while asleep, 0.75x of the raw bytes")
+
+
+class _FakeCuda:
+    """torch.cuda's mem_get_info alone (choose_scale reads nothing else)."""
+
+    def __init__(self, free: int):
+        self.cuda = self
+        self.free = free
+
+    def mem_get_info(self, device):
+        return self.free, 2 * self.free
+
+
+def test_demo_scales_down_only_on_a_gpu_too_small():
+    from cumem_rs.demo import choose_scale
+
+    assert choose_scale(_FakeCuda(140 * GiB), 0, None, 48.0) == (1, None)
+    scale, why = choose_scale(_FakeCuda(40 * GiB), 0, None, 48.0)
+    assert scale == 2 and "40.00 GiB free" in why
+    assert choose_scale(_FakeCuda(40 * GiB), 0, 4, 48.0) == (4, None)
+    with pytest.raises(SystemExit, match="--scale"):
+        choose_scale(_FakeCuda(40 * GiB), 0, 1, 48.0)
 
 
 def test_demo_rejects_a_bad_scale():
@@ -225,8 +326,12 @@ def test_bench_every_table_on_the_simulated_device(tmp_path):
     data = json.loads(out.read_text())
     m = data["metrics"]
     assert m["errors"] == []
-    assert set(m["table_seconds"]) == {"peer", "sleep_wake", "retained", "wall", "pin_ahead", "alloc_count",
-                                       "malloc", "file_tier", "compress", "swap"}
+    assert set(m["table_seconds"]) == {"peer", "rl_loop", "sleep_wake", "retained", "wall", "pin_ahead",
+                                       "alloc_count", "malloc", "file_tier", "compress", "swap"}
+    # With no --only, the RL loop is the first table printed (the peer, first to run, prints nothing then); a
+    # given --cycles is its cycles too.
+    assert p.stdout.index("rl_loop (sim") < p.stdout.index("the limit: pinned copies")
+    assert m["rl_loop"]["cycles"] == 1 and {r["mode"] for r in m["rl_loop"]["records"]} == {"compressed", "raw"}
     w = m["weights_bytes"]
     check_file_tier_metrics(m)
 
@@ -420,7 +525,7 @@ def test_rewrites_touch_exactly_the_chosen_chunks():
 @pytest.mark.skipif(not (ROOT / "benches").is_dir(), reason="needs the source tree (benches/)")
 def test_bench_script_wrapper(tmp_path):
     p = subprocess.run([sys.executable, str(ROOT / "benches" / "bench_sleep_wake.py"), "--backend", "sim",
-                        "--scale", "2048", "--cycles", "1", "--malloc-count", "20", "--kv-gib", "0"],
+                        "--scale", "2048", "--cycles", "1", "--kv-gib", "0", "--only", "sleep_wake"],
                        cwd=tmp_path, capture_output=True, text=True, timeout=60)
     assert p.returncode == 0, p.stdout + p.stderr
     assert "sleep, steady (median of 1)" in p.stdout
@@ -435,9 +540,16 @@ def test_cuda_backend_without_a_gpu_is_a_clear_error():
 
 @pytest.mark.skipif(not gpu_usable(), reason="needs a CUDA GPU and CUDA torch")
 def test_demo_on_the_gpu():
-    p = run_cli("demo", "--backend", "cuda", "--scale", "16", "--kv-gib", "4", "--cycles", "2", timeout=300)
+    p = run_cli("demo", "--backend", "cuda", "--scale", "16", "--kv-gib", "4", timeout=300)
     assert p.returncode == 0, p.stdout + p.stderr
-    assert "verify #2: checksums and data_ptrs unchanged" in p.stdout
+    out = p.stdout
+    assert "the link: torch copy_ of the same" in out and "codec: " in out
+    rows = [ln for ln in out.splitlines() if ln.startswith("  cycle ")]
+    assert len(rows) == 6 and all("x  " in r for r in rows), rows  # each step: time, ratio to the link, host
+    assert "every wake verified bit-identical" in out
+    summary = out.rstrip().splitlines()[-4:-1]
+    assert [ln.split(":")[0].strip() for ln in summary] == ["sleep", "wake", "host"], out
+    assert out.rstrip().endswith("every wake bit-identical at unchanged addresses")
 
 
 @pytest.mark.skipif(not gpu_usable(), reason="needs a CUDA GPU and CUDA torch")

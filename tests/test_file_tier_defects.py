@@ -40,7 +40,7 @@ def test_retained_backups_escape_a_lowered_host_budget_without_spill_dir(a):
     try:
         a.sleep("w")
     except cumem_rs.CumemOutOfMemoryError:
-        # What the README promises: refused before anything is released.
+        # What docs/tiers-and-budget.md promises: refused before anything is released.
         assert not a.allocations()[0]["asleep"]
         assert a.read(addr, len(data)) == data
         return

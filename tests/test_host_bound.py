@@ -1,7 +1,7 @@
-"""The host-memory bound (README "Limitations": held <= the backups still referenced + one spare no larger than the
-largest backup or reservation) around reservations and pinning ahead: a compaction moves backups into a new arena
-of exactly their size (never into a cached spare, which would leave a hole of its own), and the buffer the pin-ahead
-worker holds counts as held from the start. Both failed before (found by review)."""
+"""The host-memory bound (docs/errors-and-guarantees.md, "Limitations": held <= the backups still referenced + one
+spare no larger than the largest backup or reservation) around reservations and pinning ahead: a compaction moves
+backups into a new arena of exactly their size (never into a cached spare, which would leave a hole of its own), and
+the buffer the pin-ahead worker holds counts as held from the start. Both failed before (found by review)."""
 
 from __future__ import annotations
 

@@ -372,16 +372,16 @@ def test_a_refused_environment_raises_in_a_child_process_and_never_aborts_it(ass
     assert out.stdout.startswith(message)
 
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+TMS_PAGE = Path(__file__).resolve().parents[1] / "docs" / "torch_memory_saver.md"
 
 
-@pytest.mark.skipif(not README.is_file(), reason="needs the source tree (README.md)")
-def test_readme_names_every_variable():
-    readme = README.read_text()
-    section = readme[readme.index("## Switching from torch_memory_saver"):]
-    section = section[: section.index("\n## ", 4)]
+@pytest.mark.skipif(not TMS_PAGE.is_file(), reason="needs the source tree (docs/torch_memory_saver.md)")
+def test_docs_name_every_variable():
+    page = TMS_PAGE.read_text()
+    section = page[page.index("## The `TMS_*` environment"):]
+    table = section[section.index("| variable |"):]
     for name in TMS_VARIABLES:
-        assert name in section, f"{name} is not described in the README section"
+        assert f"| `{name}` |" in table, f"{name} is not a row of the TMS_* table in docs/torch_memory_saver.md"
 
 
 # -- torch_memory_saver's C-level state getters (`_impl._binary_wrapper.cdll`) -------------------------------------

@@ -35,6 +35,7 @@ __all__ = [
     "Allocator",
     "HostBytes",
     "cuda_available",
+    "env_flag",
     "fingerprint_bytes",
     "is_cuda_allocator_ready",
     "ffi_errors",
@@ -97,6 +98,10 @@ class ClosedError(CumemError):
 def fingerprint_bytes(data: bytes, chunk: int) -> list[tuple[int, int]]:
     """Host reference fingerprints of `data` in chunks of `chunk` bytes (both multiples of 16): the values the GPU
     kernel computes for the same bytes."""
+def env_flag(name: str, default: bool) -> bool:
+    """The switch `name` of the environment as the Rust side reads every switch: 1/true/yes/on or 0/false/no/off
+    (any case); unset, empty or another value (logged as a warning): `default`."""
+
 def cuda_available() -> bool:
     """True when libcuda can be loaded and reports at least one device. Never raises."""
 

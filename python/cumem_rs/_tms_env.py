@@ -11,6 +11,7 @@ process on a bad boolean; here it is a `CumemValueError` naming the variable.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Optional
@@ -23,6 +24,10 @@ _FALSE = ("0", "false", "FALSE", "no", "NO")
 CPU_BACKUP_BACKENDS = ("mmap", "pinned")
 #: torch_memory_saver's disk staging chunk when TMS_DISK_BACKUP_CHUNK_MB is unset or 0.
 DEFAULT_DISK_CHUNK_MB = 256
+# A number is ASCII digits, as torch_memory_saver reads it: str.isdigit() (and \d) take other scripts' digits and
+# superscripts too, which int() reads as a number nobody typed or rejects with a bare ValueError.
+_ASCII_DIGITS = re.compile(r"[0-9]+", re.ASCII)
+_ASCII_SPACE = " \t\n\r\f\v"
 
 def _bool(env: Mapping[str, str], name: str) -> bool:
     value = env.get(name)
@@ -65,8 +70,8 @@ def read_tms_env(env: Mapping[str, str]) -> TmsEnv:
     chunk: Optional[int] = None
     raw_chunk = env.get("TMS_DISK_BACKUP_CHUNK_MB")
     if raw_chunk is not None:
-        text = raw_chunk.strip()
-        if not text.isdigit():
+        text = raw_chunk.strip(_ASCII_SPACE)
+        if _ASCII_DIGITS.fullmatch(text) is None:
             raise CumemValueError(
                 f"TMS_DISK_BACKUP_CHUNK_MB must be a whole number of MiB (0: the default {DEFAULT_DISK_CHUNK_MB}), "
                 f"got {raw_chunk!r}"

@@ -134,8 +134,8 @@ class CuMemAllocator:
         self._sleep_gc = _DEFAULT_SLEEP_GC
         self.sleep_gc = os.environ.get("CUMEM_RS_SLEEP_GC", _DEFAULT_SLEEP_GC)
         #: Pin host memory for the backup of `pin_ahead_tags` in the background when one of their
-        #: `use_memory_pool` blocks ends (default on; env CUMEM_RS_PIN_AHEAD=0 turns it off).
-        self.pin_ahead: bool = os.environ.get("CUMEM_RS_PIN_AHEAD", "1") != "0"
+        #: `use_memory_pool` blocks ends (default on; the switch CUMEM_RS_PIN_AHEAD=0 or off turns it off).
+        self.pin_ahead: bool = _native.env_flag("CUMEM_RS_PIN_AHEAD", True)
         self.pin_ahead_tags: tuple[str, ...] = PIN_AHEAD_TAGS
         # A process forked from this one (a DataLoader worker, a fork pool) inherits the exit handler but none of
         # the CUDA state: there it does nothing.

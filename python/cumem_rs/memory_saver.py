@@ -30,8 +30,8 @@ that API is accepted, and the calls do what they do there, over `CuMemAllocator`
 * the `TMS_*` environment variables, read when the saver initialises (`_tms_env.py`).
 
 Where torch_memory_saver exits the process (a CUDA error, pausing a paused tag, an unknown tensor, a bad
-environment value), this raises a Python exception instead. The README section "Switching from
-torch_memory_saver" lists every difference.
+environment value), this raises a Python exception instead. docs/torch_memory_saver.md lists every
+difference.
 """
 
 from __future__ import annotations
@@ -134,6 +134,8 @@ class TorchMemorySaver:
         # Every tag a region or graph of this object used, with its backup (one setting per tag).
         # Per tag of the API: backup setting -> the allocator tag holding that memory (`_use_tag`).
         self._tags: dict[str, dict[str, str]] = {}
+        # The other way round: each allocator tag handed out -> the API tag whose memory it holds.
+        self._inner_owner: dict[str, str] = {}
         # Whether the spill directory of disk-backup regions is set: by set_disk_backup_dir or TMS_DISK_BACKUP_DIR;
         # else the first disk-backup region sets the system temp directory (torch_memory_saver's /tmp).
         self._disk_dir_applied = False
@@ -223,13 +225,15 @@ class TorchMemorySaver:
         torch_memory_saver records the backup setting per allocation, so one tag may hold memory with and without
         backup; the allocator keeps one policy per tag. So the first setting seen for `tag` uses `tag` itself
         and each other setting a tag of its own (`tag[no_backup]`, `tag[cpu_backup]`, `tag[disk_backup]`);
-        pause and resume of `tag` act on all of them."""
+        pause and resume of `tag` act on all of them. Tags are arbitrary strings, so a user's tag may spell a
+        name handed out before (or the tag of memory the allocator holds from outside the saver): every name is
+        chosen free of those (`_free_inner_name`), so no tag ever reaches another's memory or policy."""
         with self._lock:
-            settings = self._tags.setdefault(tag, {})
+            settings = self._tags.get(tag, {})
             inner = settings.get(backup)
             if inner is not None:
                 return inner
-            inner = tag if not settings else self._free_inner_name(f"{tag}[{_SHORT[backup]}]")
+            inner = self._free_inner_name(alloc, tag if not settings else f"{tag}[{_SHORT[backup]}]", tag)
             if backup == _DISK and not self._disk_dir_applied:
                 # Nobody named this directory, and others share it: unlinked files, which nothing leaves behind.
                 _apply_disk_dir(alloc, tempfile.gettempdir(), "the disk backup directory (system temp)", named=False)
@@ -242,25 +246,34 @@ class TorchMemorySaver:
             alloc.set_tag_policy(
                 inner, backup=backup != _NONE, wake_fill=policy["wake_fill"], backup_tier=tier, compress="off"
             )
-            settings[backup] = inner
+            # Recorded once the policy is set: a refused one hands out no name.
+            self._tags.setdefault(tag, {})[backup] = inner
+            self._inner_owner[inner] = tag
             return inner
 
-    def _free_inner_name(self, name: str) -> str:
-        """`name`, or `name#2`, `name#3`... when a region already uses it as its own tag (caller holds the lock)."""
-        taken = {t for settings in self._tags.values() for t in settings.values()} | set(self._tags)
+    def _free_inner_name(self, alloc: "Backend", name: str, tag: str) -> str:
+        """`name`, or `name#2`, `name#3`... the first that is no allocator tag handed out here, no other API tag
+        (its own name is what a later first use of it takes), and, but for `tag` itself, no tag of memory the
+        allocator holds (caller holds the lock)."""
+        taken = set(self._inner_owner) | (set(self._tags) - {tag})
+        outside = {str(a["tag"]) for a in alloc.native.allocations()} - {tag}
         candidate, n = name, 1
-        while candidate in taken:
+        while candidate in taken or (candidate != tag and candidate in outside):
             n += 1
             candidate = f"{name}#{n}"
         return candidate
 
     def _tags_of(self, tag: Optional[str]) -> list[str]:
-        """The allocator tags a pause/resume acts on: those of `tag`, or of every tag this object used."""
+        """The allocator tags a pause/resume acts on: those of `tag`, or of every tag this object used. A tag not
+        used here is the allocator's tag of that name, unless that name holds another tag's memory here (then
+        nothing)."""
         with self._lock:
             if tag is not None:
                 check_tag(tag)
-                return sorted(self._tags[tag].values()) if tag in self._tags else [tag]
-            return sorted({t for settings in self._tags.values() for t in settings.values()})
+                if tag in self._tags:
+                    return sorted(self._tags[tag].values())
+                return [] if tag in self._inner_owner else [tag]
+            return sorted(self._inner_owner)
 
     # -- regions --------------------------------------------------------------------------------------------------
 

@@ -28,7 +28,7 @@ __all__ = [
 WakeFill = Literal["undefined", "zero"]
 #: Where a tag's backups go: pinned host memory, the spill directory, or host up to the budget then files.
 BackupTier = Literal["host", "file", "auto"]
-#: Whether and how a tag's host backups are compressed ("auto": the 16-bit mode; see the README).
+#: Whether and how a tag's host backups are compressed ("auto": the 16-bit mode; see docs/compression.md).
 Compress = Literal["auto", "off", "bits16", "bits8", "bytes"]
 
 
@@ -126,6 +126,11 @@ class Stats(TypedDict):
     #: Device memory the allocator took for itself (its kernels and their buffers): taken when a device is first
     #: used, before its first allocation, never inside a sleep (0 on the simulated device).
     own_device_bytes: int
+    #: Preload hook mode, process-wide: calls of the CUDA runtime's other allocators (cudaMallocAsync,
+    #: cudaFreeAsync, cudaMallocManaged) made where a cudaMalloc would have been routed (a region, or
+    #: TMS_INIT_ENABLE=1), and the bytes they allocated: forwarded to the runtime, so never paused.
+    preload_unrouted_calls: int
+    preload_unrouted_bytes: int
     last_sleep: Optional[Report]
     last_wake: Optional[Report]
 

@@ -277,7 +277,7 @@ def add_workload_arguments(
     *,
     sim_scale: int,
     kv_gib: float,
-    cycles: int,
+    cycles: Optional[int],
     cycles_help: str,
     target: str = "the GPU",
     kv_help: str = "KV cache size in GiB before scaling",
@@ -289,5 +289,7 @@ def add_workload_arguments(
     p.add_argument("--scale", type=int, default=None,
                    help=f"divide every tensor of the workload by N (default 1 on cuda, {sim_scale} on sim)")
     p.add_argument("--kv-gib", type=float, default=kv_gib, help=f"{kv_help} (default {kv_gib:g}; 0 = none)")
-    p.add_argument("--cycles", type=int, default=cycles, help=f"{cycles_help} (default {cycles})")
+    # cycles=None: the caller's help says what each use defaults to.
+    p.add_argument("--cycles", type=int, default=cycles,
+                   help=cycles_help if cycles is None else f"{cycles_help} (default {cycles})")
 

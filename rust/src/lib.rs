@@ -8,6 +8,7 @@ pub mod address_space;
 pub mod backups;
 pub mod driver;
 pub mod engine;
+pub mod env;
 pub mod error;
 pub mod error_log;
 pub mod ffi;

@@ -1,6 +1,6 @@
 //! The extension's side of the preload hook library (`rust/preload/cumem_rs_preload.c`, torch_memory_saver's
 //! "preload" hook mode): the library's bytes, its registration, and the hooks it calls for `cudaMalloc`,
-//! `cudaFree`, `tms_pause` and `tms_resume`.
+//! `cudaFree`, `tms_pause` and `tms_resume`, and for the runtime's other allocators (`unrouted_hook`).
 //!
 //! The library is `LD_PRELOAD`ed into a process (`configure_subprocess()` sets that for children) and forwards
 //! everything to the real CUDA runtime until the extension, imported into that process, finds it and registers
@@ -11,6 +11,12 @@
 //! region's tag. A `cudaFree` is ours when the pointer is one of ours (looked up by address: the runtime's free
 //! has no size); anything else is forwarded.
 //!
+//! The runtime's other allocators (`cudaMallocAsync`, `cudaMallocManaged`, and `cudaFreeAsync` of a pointer that
+//! is not ours) are never ours: the library forwards them and reports each successful one here. Made where a
+//! cudaMalloc would be routed, that memory cannot be paused, so the first such call of each name logs a WARNING
+//! and every one is counted (`unrouted_counts`, in `stats()`). A `cudaFreeAsync` of a pointer of ours is freed
+//! here, like a `cudaFree`.
+//!
 //! Like `my_malloc`/`my_free` the hooks never take the GIL, never unwind into C (`catch_unwind`) and never fail
 //! the process: a failed allocation returns a CUDA error code, a failed free is recorded (`ffi_errors()` or the
 //! engine's `errors()`). This is an FFI module: its `unsafe` is the C boundary (dlsym, the pointers C hands us).
@@ -19,7 +25,7 @@ use std::cell::RefCell;
 use std::collections::BTreeMap;
 use std::ffi::{c_char, c_int, c_uint, c_void, CStr};
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 
 use parking_lot::{Mutex, RwLock};
@@ -32,13 +38,16 @@ use crate::{ffi, global, tags};
 pub static LIBRARY: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/libcumem_rs_preload.so"));
 
 /// Must equal CUMEM_RS_PRELOAD_ABI in the C source (checked by the library at registration).
-const ABI: c_uint = 1;
+const ABI: c_uint = 2;
 /// A hook's answer for a call that is not ours: the library forwards it to the real runtime.
 const NOT_OURS: c_int = -1;
 // cudaError_t values (driver_types.h).
 const CUDA_SUCCESS: c_int = 0;
 const CUDA_ERROR_INVALID_VALUE: c_int = 1;
 const CUDA_ERROR_MEMORY_ALLOCATION: c_int = 2;
+const CUDA_ERROR_INITIALIZATION: c_int = 3;
+/// The library's `current_device` when the process has no `cudaGetDevice` to ask (CUMEM_RS_NO_GET_DEVICE).
+const NO_GET_DEVICE: c_int = -2;
 const CUDA_ERROR_UNKNOWN: c_int = 999;
 
 /// The library's `cumem_rs_device_fn`: the calling thread's current device, through the real `cudaGetDevice`.
@@ -52,6 +61,7 @@ struct Hooks {
     free_hook: extern "C" fn(*mut c_void) -> c_int,
     pause_hook: extern "C" fn(*const c_char) -> c_int,
     resume_hook: extern "C" fn(*const c_char) -> c_int,
+    unrouted_hook: extern "C" fn(*const c_char, usize),
 }
 
 /// Static, so the library may keep the pointer for the life of the process (the extension is never unloaded).
@@ -61,6 +71,7 @@ static HOOKS: Hooks = Hooks {
     free_hook,
     pause_hook,
     resume_hook,
+    unrouted_hook,
 };
 
 /// The engine routed allocations go to; None: the process-wide CUDA engine, created at the first one.
@@ -216,7 +227,7 @@ pub fn malloc_routed(
     let device = if engine.driver().backend() == "sim" {
         0
     } else {
-        match current_device() {
+        match runtime_device(size, current_device) {
             Ok(d) => d,
             Err(rc) => return Ok(Err(rc)),
         }
@@ -227,6 +238,28 @@ pub fn malloc_routed(
     drop(scope);
     OURS.lock().insert(addr, engine);
     Ok(Ok(addr))
+}
+
+/// The calling thread's device for a routed allocation of `size` bytes on the CUDA driver, or the error code the
+/// allocation returns. Without a `cudaGetDevice` in the process (`NO_GET_DEVICE`) there is no device to take:
+/// guessing one would put the memory of a thread that uses device 1 on device 0, so the allocation fails with
+/// cudaErrorInitializationError and the reason is recorded (`errors()`, or `ffi_errors()` without a CUDA engine).
+fn runtime_device(
+    size: usize,
+    current_device: impl FnOnce() -> std::result::Result<i32, c_int>,
+) -> std::result::Result<i32, c_int> {
+    match current_device() {
+        Err(NO_GET_DEVICE) => {
+            let why = Error::InvalidState(
+                "the process has no cudaGetDevice (no CUDA runtime loaded, or one that does not export it), so the \
+                 calling thread's device is unknown; the allocation is refused rather than put on a guessed device"
+                    .into(),
+            );
+            ffi::record(&format!("cudaMalloc({size}) routed to cumem_rs"), &why);
+            Err(CUDA_ERROR_INITIALIZATION)
+        }
+        other => other,
+    }
 }
 
 /// Free `addr` if the hook handed it out: Ok(false) when it is not ours. The pointer is forgotten whatever the
@@ -288,6 +321,95 @@ extern "C" fn free_hook(ptr: *mut c_void) -> c_int {
             ffi::record(&format!("cudaFree({ptr:p}) routed to cumem_rs"), &e);
             CUDA_SUCCESS
         }
+    }
+}
+
+/// The runtime's other allocators the library reports (`unrouted_hook`), in `UNROUTED`'s order.
+pub const UNROUTED_CALLS: [&str; 3] = ["cudaMallocAsync", "cudaFreeAsync", "cudaMallocManaged"];
+
+/// Calls and bytes of one of `UNROUTED_CALLS` made while routing was on, and whether it was logged.
+struct Unrouted {
+    calls: AtomicU64,
+    bytes: AtomicU64,
+    warned: AtomicBool,
+}
+
+static UNROUTED: [Unrouted; 3] = [const {
+    Unrouted {
+        calls: AtomicU64::new(0),
+        bytes: AtomicU64::new(0),
+        warned: AtomicBool::new(false),
+    }
+}; 3];
+
+/// Calls of the runtime's other allocators made while routing was on, and their bytes (process-wide).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct UnroutedCounts {
+    pub calls: u64,
+    pub bytes: u64,
+}
+
+/// The counts of `UNROUTED_CALLS`, each by name, since the process started.
+pub fn unrouted_by_call() -> Vec<(&'static str, UnroutedCounts)> {
+    UNROUTED_CALLS
+        .iter()
+        .zip(&UNROUTED)
+        .map(|(name, u)| {
+            let c = UnroutedCounts {
+                calls: u.calls.load(Ordering::Relaxed),
+                bytes: u.bytes.load(Ordering::Relaxed),
+            };
+            (*name, c)
+        })
+        .collect()
+}
+
+/// The counts of all of `UNROUTED_CALLS` together.
+pub fn unrouted_counts() -> UnroutedCounts {
+    unrouted_by_call()
+        .into_iter()
+        .fold(UnroutedCounts::default(), |a, (_, c)| UnroutedCounts {
+            calls: a.calls + c.calls,
+            bytes: a.bytes + c.bytes,
+        })
+}
+
+/// A successful call of `call` (one of `UNROUTED_CALLS`), `size` bytes, forwarded to the runtime: counted and,
+/// the first time for its name, logged, when this thread's cudaMalloc would have been routed now (outside
+/// regions and TMS_INIT_ENABLE the runtime's memory is expected). Whether it was counted.
+pub fn note_unrouted(call: &str, size: usize) -> bool {
+    let Some(tag) = routed_tag() else {
+        return false;
+    };
+    let Some(u) = UNROUTED_CALLS
+        .iter()
+        .position(|c| *c == call)
+        .map(|i| &UNROUTED[i])
+    else {
+        return false;
+    };
+    u.calls.fetch_add(1, Ordering::Relaxed);
+    u.bytes.fetch_add(size as u64, Ordering::Relaxed);
+    if !u.warned.swap(true, Ordering::Relaxed) {
+        log::warn!(
+            "{call} was called while cudaMalloc is routed to cumem_rs (tag {tag:?}): the preload hook forwards it \
+             to the CUDA runtime, so that memory is not cumem_rs's and is neither paused nor backed up (warned \
+             once per call name; every such call is counted in stats()['preload_unrouted_calls'] and \
+             ['preload_unrouted_bytes'])"
+        );
+    }
+    true
+}
+
+extern "C" fn unrouted_hook(call: *const c_char, size: usize) {
+    if call.is_null() {
+        return;
+    }
+    // SAFETY: the library passes one of its NUL-terminated string literals.
+    let name = unsafe { CStr::from_ptr(call) };
+    if let Ok(name) = name.to_str() {
+        // Never unwinds into C; a failure here only loses a count.
+        let _ = catch_unwind(|| note_unrouted(name, size));
     }
 }
 
@@ -439,6 +561,46 @@ mod tests {
             "a closed engine fails the call cleanly"
         );
         pop().unwrap();
+
+        // Without cudaGetDevice there is no device to guess: refused, recorded. Other answers pass through.
+        let no_device = runtime_device(4096, || Err(NO_GET_DEVICE));
+        assert_eq!(no_device, Err(CUDA_ERROR_INITIALIZATION));
+        // Recorded where ffi::record puts it: the process-wide CUDA engine's errors() when one exists.
+        let mut recorded = ffi::ffi_errors();
+        recorded.extend(
+            global::existing_cuda_engine()
+                .map(|e| e.errors())
+                .unwrap_or_default(),
+        );
+        assert!(
+            recorded
+                .iter()
+                .any(|e| e.contains("cudaMalloc(4096)") && e.contains("no cudaGetDevice")),
+            "{recorded:?}"
+        );
+        assert_eq!(runtime_device(1, || Ok(3)), Ok(3));
+        assert_eq!(runtime_device(1, || Err(100)), Err(100));
+
+        // The runtime's other allocators: counted only where routing is on, by name, with their bytes.
+        let before = unrouted_counts();
+        assert!(
+            !note_unrouted("cudaMallocAsync", 1000),
+            "not routed: the runtime's, as expected"
+        );
+        push_region("r").unwrap();
+        assert!(note_unrouted("cudaMallocAsync", 1000));
+        assert!(note_unrouted("cudaMallocManaged", 24));
+        assert!(note_unrouted("cudaFreeAsync", 0));
+        assert!(
+            !note_unrouted("cudaMallocPitch", 5),
+            "not a name the library reports"
+        );
+        pop().unwrap();
+        let after = unrouted_counts();
+        assert_eq!(
+            (after.calls - before.calls, after.bytes - before.bytes),
+            (3, 1024)
+        );
         set_target(None);
     }
 }

@@ -223,7 +223,7 @@ fn a_refused_worker_thread_is_recorded_and_the_sleep_pins_itself() {
     assert_no_leaks(&sim);
 }
 
-/// Host bytes the README's bound allows: backups still needed plus one spare no larger than the largest backup or
+/// Host bytes the bound of docs/errors-and-guarantees.md allows: backups still needed plus one spare no larger than the largest backup or
 /// reservation.
 fn bound(e: &Engine, largest: usize) -> usize {
     let asleep: usize = (e.allocations().unwrap().iter())

@@ -1,6 +1,11 @@
 """Sleep/wake benchmark on the reference workload (see workload.py), every figure a ratio of a reference measured
 in the same run. One table per measured thing; --only picks some (default: all of them):
 
+  rl_loop      printed first: what an RL loop does in the configuration a user gets (compression as the
+               environment has it, retained backups on, no budget, host tier), compressed and raw side by side:
+               --cycles cycles (default 5) of wake -> rewrite --fractions of the weights' chunks (default
+               100,50,10,1 %) -> sleep, with a KV cache discarded at each sleep; per cycle sleep and wake against
+               the link, host memory held against the raw bytes, every wake verified
   sleep_wake   the copy path (retained backups off): one cold first cycle, then the median of --cycles steady
                cycles, against the pinned-copy limit, with the core's own time beside the wall time; host RAM
                held after wake under each keep_host_memory policy; discard of the KV cache alone against raw
@@ -28,6 +33,7 @@ in the same run. One table per measured thing; --only picks some (default: all o
   peer         torch_memory_saver when installed, in a child process (run first, while the GPU is empty): its
                pause/resume, and the retained table's three pauses with retain_cpu_backup off and on
 
+Every row says the configuration it ran in where it is not the default (compress / retain / budget / tier).
 Data is verified after every wake. On the simulated device (no GPU) every table runs at a small scale with a host
 memcpy as the limit (the torch-layer and peer rows are skipped), so CI can smoke-run the whole benchmark.
 """
@@ -51,7 +57,8 @@ from ..workload import (
     sim_granularity,
     total_bytes,
 )
-from . import alloc_count, compress, file_tier, malloc, peer_tms, pin_ahead, plot, retained, sleep_wake, swap, wall
+from . import (alloc_count, compress, file_tier, malloc, peer_tms, pin_ahead, plot, retained, rl_loop, sleep_wake, swap,
+               wall)
 from .common import Context, Results, fmt_bytes, fmt_seconds, print_table, say, timed
 from .limits import copy_limit, memcpy_gbps
 from .malloc import DEFAULT_MALLOC_COUNT, RawDriver, malloc_sizes
@@ -67,9 +74,11 @@ DEFAULT_SIM_SCALE = 256
 DEFAULT_CYCLES = 3
 
 #: Table name -> module with run(ctx), in the order they run. The peer goes first: its child process needs the
-#: GPU memory the other tables take (its rows come last, from peer_tms.finish).
+#: GPU memory the other tables take (it prints nothing then: its rows come last, from peer_tms.finish). So the
+#: RL loop is the first table printed.
 TABLES = {
     "peer": peer_tms,
+    "rl_loop": rl_loop,
     "sleep_wake": sleep_wake,
     "retained": retained,
     "wall": wall,
@@ -92,10 +101,13 @@ def _table_list(text: str) -> list[str]:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    add_workload_arguments(p, sim_scale=DEFAULT_SIM_SCALE, kv_gib=DEFAULT_KV_GIB, cycles=DEFAULT_CYCLES,
-                           cycles_help="steady cycles per measured row, after the warm-up or cold one")
+    add_workload_arguments(p, sim_scale=DEFAULT_SIM_SCALE, kv_gib=DEFAULT_KV_GIB, cycles=None,
+                           cycles_help=f"steady cycles per measured row, after the warm-up or cold one (default "
+                                       f"{DEFAULT_CYCLES}; the rl_loop table's cycles per block: default "
+                                       f"{rl_loop.DEFAULT_CYCLES})")
     p.add_argument("--only", type=_table_list, default=list(TABLES), metavar="TABLE[,TABLE...]",
                    help=f"run only these tables ({', '.join(TABLES)}; default all)")
+    rl_loop.add_arguments(p)
     p.add_argument("--malloc-count", type=int, default=DEFAULT_MALLOC_COUNT,
                    help=f"allocations of 1-64 MiB in the malloc table (default {DEFAULT_MALLOC_COUNT})")
     p.add_argument("--alloc-counts", type=alloc_count.parse_counts, default=alloc_count.COUNTS, metavar="N[,N...]",
@@ -157,15 +169,21 @@ def _describe(ctx: Context) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    # No --cycles: each table's own default (the RL loop's is longer: its cycles are the measurement).
+    args.rl_cycles = rl_loop.DEFAULT_CYCLES if args.cycles is None else args.cycles
+    if args.cycles is None:
+        args.cycles = DEFAULT_CYCLES
     if args.scale is not None and args.scale < 1:
         raise SystemExit("error: --scale must be >= 1")
     if args.cycles < 0 or args.malloc_count < 1 or args.kv_gib < 0:
         raise SystemExit("error: --cycles and --kv-gib must be >= 0 and --malloc-count >= 1")
     if args.from_json:
-        rows = plot.load_rows(args.from_json)
+        metrics, rows = plot.load_json(args.from_json)
+        rl_loop.show(metrics)
         Results.from_rows(rows).print(f"cumem_rs benchmark ({args.from_json})")
         if args.plot:
-            plot.plot_file(rows, args.plot, f"cumem_rs benchmark ({os.path.basename(args.from_json)})")
+            plot.plot_file(rows, args.plot, f"cumem_rs benchmark ({os.path.basename(args.from_json)})",
+                           metrics.get("rl_loop"))
         return 0
     if args.tms_child:
         out = peer_tms.tms_child(args)
@@ -189,6 +207,8 @@ def run(args: argparse.Namespace) -> int:
                 seconds[name] = time.perf_counter() - t0
                 say(f"table {name}: {seconds[name]:.1f} s")
                 # Each table as soon as it is done, and the JSON so far: a run cut short keeps what it measured.
+                if name == "rl_loop":
+                    rl_loop.show(ctx.res.metrics)
                 ctx.res.print(title, ctx.res.rows[first_row:])
                 if args.json:
                     _write_json(ctx.res, args.json, partial=True)
@@ -205,12 +225,14 @@ def run(args: argparse.Namespace) -> int:
     m["errors"] = ctx.errors
     publish(ctx.res, title, args.json)
     if args.plot:
-        plot.plot_file(ctx.res.rows, args.plot, title)
+        plot.plot_file(ctx.res.rows, args.plot, title, ctx.res.metrics.get("rl_loop"))
     return 0
 
 
 def publish(res: Results, title: str, json_path: Optional[str]) -> None:
-    """Print the tables and the allocator's recorded errors; write every number to `json_path` when given."""
+    """Print the tables (the RL loop's first) and the allocator's recorded errors; write every number to
+    `json_path` when given."""
+    rl_loop.show(res.metrics)
     res.print(title)
     if res.metrics.get("errors"):
         print(f"allocator recorded errors: {res.metrics['errors']}")

@@ -13,6 +13,7 @@ import statistics
 from typing import Any, Callable
 
 from ..workload import GiB, WEIGHTS_TAG, TorchWorkload, VerificationError, sim_granularity
+from . import config
 from .common import Context, fmt_bytes, fmt_seconds, report_seconds, say, timed
 from .limits import limit
 from .subjects import CoreTensors, SimSubject, TensorSubject, equal_specs, release_tensors, sim_allocator
@@ -148,6 +149,7 @@ def _cycles(ctx: Context, core: Any, key: str, label: str, subject: Any, sleep: 
             wake: Callable[[], Any], total: int, h2d: float, d2h: float, extra: str, n: int, is_core: bool) -> None:
     """One warm-up cycle, then --cycles steady ones (at least one), every one verified; rows of the medians."""
     core.set_retain_backups(False)
+    ctx.res.configure(config.short(core))
     sleeps, wakes, core_sleeps = [], [], []
     for i in range(max(1, ctx.cycles) + 1):
         rs, ts = timed(sleep, ctx.sync)

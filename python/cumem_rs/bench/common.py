@@ -4,9 +4,10 @@ and the per-run context (backend, arguments, the cached references every ratio i
 from __future__ import annotations
 
 import argparse
-import os
 import time
 from typing import Any, Callable, Optional
+
+from .. import _native
 
 # ---------------------------------------------------------------------------------------------------------------
 # Formatting, shared with the demo.
@@ -31,8 +32,9 @@ def fmt_seconds(s: Optional[float]) -> str:
     return f"{s * 1e6:.1f} µs"
 
 
-def print_table(title: str, columns: list[str], rows: list[list[str]]) -> None:
-    """A rich Table when rich is installed (it is an optional dependency), else aligned plain text."""
+def print_table(title: str, columns: list[str], rows: list[list[str]], left: Optional[set[int]] = None) -> None:
+    """A rich Table when rich is installed (it is an optional dependency), else aligned plain text. Columns of
+    `left` (default: the first and the last) are left-justified, the others right-justified."""
     try:
         from rich.console import Console
         from rich.table import Table
@@ -46,10 +48,12 @@ def print_table(title: str, columns: list[str], rows: list[list[str]]) -> None:
     console = Console()
     if not console.is_terminal:
         # Piped output gets 80 columns by default, which would wrap the numbers.
-        console = Console(width=160)
+        console = Console(width=200)
     table = Table(title=title)
     for i, c in enumerate(columns):
-        table.add_column(c, justify="left" if i == 0 or i == len(columns) - 1 else "right")
+        lefts = {0, len(columns) - 1} if left is None else left
+        # The first column names the row: never wrapped, so that a name can be found in the output.
+        table.add_column(c, justify="left" if i in lefts else "right", no_wrap=i == 0)
     for r in rows:
         table.add_row(*r)
     console.print(table)
@@ -70,6 +74,7 @@ class Results:
         self.rows: list[dict] = []
         self.metrics: dict[str, Any] = {}
         self._section = ""
+        self._config = ""
 
     @classmethod
     def from_rows(cls, rows: list[dict]) -> "Results":
@@ -79,15 +84,26 @@ class Results:
         return res
 
     def section(self, title: str) -> None:
-        """Rows added from now on belong to the table titled `title`."""
+        """Rows added from now on belong to the table titled `title` (and state no configuration until
+        `configure`)."""
         self._section = title
+        self._config = ""
 
     @property
     def current_section(self) -> str:
         return self._section
 
+    def configure(self, text: str) -> None:
+        """The configuration the rows added from now on ran in (`config.short`: "default", or what differs from
+        it); set when a table sets its policies, before it measures."""
+        self._config = text
+
+    @property
+    def current_config(self) -> str:
+        return self._config
+
     def _add(self, **row: Any) -> None:
-        self.rows.append(dict(row, table=self._section))
+        self.rows.append(dict(row, table=self._section, config=self._config))
 
     def bandwidth(self, key: str, name: str, nbytes: int, seconds: float, limit_gbps: Optional[float],
                   vs: str = "") -> float:
@@ -132,6 +148,7 @@ class Results:
         for r in self.rows if rows is None else rows:
             sections.setdefault(r.get("table", ""), []).append([
                 r["name"],
+                r.get("config") or "",
                 fmt_bytes(r["bytes"]),
                 fmt_seconds(r["seconds"]),
                 f"{r['gbps']:.2f}" if r["gbps"] is not None else "",
@@ -139,8 +156,9 @@ class Results:
                 r["vs"],
             ])
         for section, cells in sections.items():
-            print_table(f"{title}: {section}" if section else title, ["measurement", "bytes", "time", "GB/s",
-                                                                      "ratio", "ratio of / note"], cells)
+            print_table(f"{title}: {section}" if section else title,
+                        ["measurement", "config", "bytes", "time", "GB/s", "ratio", "ratio of / note"], cells,
+                        left={0, 1, 6})
 
 
 def timed(fn: Callable[[], Any], sync: Callable[[], None] = lambda: None) -> tuple[Any, float]:
@@ -163,8 +181,9 @@ def report_seconds(report: Any) -> Optional[float]:
 
 
 def retain_default() -> bool:
-    """The retained-backup policy an allocator starts with (CUMEM_RS_RETAIN_BACKUPS=0 turns it off)."""
-    return os.environ.get("CUMEM_RS_RETAIN_BACKUPS", "1") != "0"
+    """The retained-backup policy an allocator starts with (the switch CUMEM_RS_RETAIN_BACKUPS, read as the
+    engine reads it)."""
+    return _native.env_flag("CUMEM_RS_RETAIN_BACKUPS", True)
 
 
 # ---------------------------------------------------------------------------------------------------------------

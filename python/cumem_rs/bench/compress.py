@@ -21,7 +21,7 @@ import time
 from typing import Any, Callable, Optional
 
 from ..workload import WEIGHTS_TAG, reference_workload, sim_granularity, total_bytes
-from . import compress_rows
+from . import compress_rows, config
 from .common import Context, fmt_bytes, retain_default, say, timed
 from .limits import limit
 from .subjects import CoreTensors, SimSubject, TensorSubject, sim_allocator
@@ -129,6 +129,7 @@ def _settings(ctx: Context, core: Any, subject: Any, wbytes: int, h2d: float, d2
         if _first_accepted(core, (mode,)) is None:
             res.skipped(f"{data}, compress={mode!r}", "the allocator has no compress= policy")
             continue
+        res.configure(config.short(core))
         recs = _cycles(ctx, core, subject, n)
         label = f"{data}, compress={mode!r}"
         on = mode != "off"
@@ -177,7 +178,7 @@ def _sim(ctx: Context, specs: list, wbytes: int, h2d: float, d2h: float) -> None
     """The same rows on the simulated device (its host codec), at the run's scale, so CI smoke-runs the table.
     The simulated allocation holds the workload's pattern bytes (random: they stay raw), so the ratios there say
     nothing of nvCOMP; they check the path runs and restores every byte."""
-    alloc = sim_allocator(ctx.scale, (s.nbytes for s in specs))
+    alloc = sim_allocator(ctx.scale, (s.nbytes for s in specs), compress=True)
     try:
         subject = SimSubject(alloc, specs)
         subject.allocate()

@@ -18,6 +18,7 @@ import time
 from typing import Any, Callable
 
 from ..workload import WEIGHTS_TAG, TensorSpec
+from . import config
 from .common import Context, fmt_bytes, say
 from .compress_rows import accept
 from .subjects import CoreTensors
@@ -97,7 +98,10 @@ def matmul_rows(ctx: Context, core: Any, w: Any, wbytes: int) -> None:
         alone = _timed_loop(step, n, sync)
         # The raw path first: the same loop while the weights pause and resume uncompressed says what the VMM
         # calls and the copies cost the loop, so that the compressed row's loss beyond it is the codec's.
-        runs = {mode: _loop_while_pausing(core, step, n, sync, mode) for mode in ("off", "auto")}
+        runs, labels = {}, {}
+        for mode in ("off", "auto"):
+            runs[mode] = _loop_while_pausing(core, step, n, sync, mode)
+            labels[mode] = config.short(core)  # the policy the run had, read back
         w.verify()
     finally:
         if serving is not None:
@@ -105,6 +109,7 @@ def matmul_rows(ctx: Context, core: Any, w: Any, wbytes: int) -> None:
     for mode, key, what_pause in (("off", "compress_matmul_during_raw_pause", "uncompressed"),
                                   ("auto", "compress_matmul_during_pause", "compressed")):
         busy, cycles = runs[mode]
+        res.configure(labels[mode])
         row_label = f"matmul loop on another tag while the weights pause and resume {what_pause}"
         say(f"{row_label}: {n} {what} in {busy:.3f} s, alone {alone:.3f} s; {len(cycles)} pause/resume cycles")
         target = " (target >= 0.9x)" if ctx.gpu and mode == "auto" else ""

@@ -19,6 +19,7 @@ import time
 from typing import Any, Callable, Optional
 
 from ..workload import MiB, WEIGHTS_TAG, TorchWorkload, reference_workload, total_bytes
+from . import config
 from .common import Context, fmt_bytes, say, timed
 from .compress_data import GpuWeights, SimWeights, fill_tensors
 from .limits import limit
@@ -94,6 +95,7 @@ def retained_rows(ctx: Context, core: Any, w: Any, wbytes: int, h2d: float, d2h:
         res.skipped(label, "the allocator has no compress= policy")
         return
     core.set_retain_backups(True)
+    res.configure(config.short(core))
     try:
         w.fill("bf16")
         timed(lambda: core.sleep(WEIGHTS_TAG), ctx.sync)  # copies and compresses everything
@@ -138,18 +140,22 @@ def random_rows(ctx: Context, core: Any, w: Any, wbytes: int, h2d: float, d2h: f
     w.fill("random")
     n = max(1, ctx.cycles)
     med: dict[str, dict[str, float]] = {}
+    labels: dict[str, str] = {}
     for mode in ("off", "auto"):
         if not accept(core, mode):
             res.skipped(f"random bytes, compress={mode!r}", "the allocator has no compress= policy")
             return
+        labels[mode] = config.short(core)
         med[mode] = _sleep_wake(ctx, core, w, n)
     off, auto = med["off"], med["auto"]
     label = "random bytes (torch.randint 0-255)"
     raw = "compress='off' on the same bytes in this run (today's raw path)"
+    res.configure(labels["off"])
     sleep_off = res.bandwidth("compress_random_off_sleep", f"sleep, {label}, compress='off' {steady(n)}", wbytes,
                               off["sleep_s"], d2h, "device->host copy of the raw bytes")
     wake_off = res.bandwidth("compress_random_off_wake", f"wake {_pause_note(ctx)}, {label}, compress='off'", wbytes,
                              off["wake_s"], h2d, "host->device copy of the raw bytes")
+    res.configure(labels["auto"])
     res.bandwidth("compress_random_auto_sleep", f"sleep, {label}, compress='auto' {steady(n)}", wbytes,
                   auto["sleep_s"], sleep_off, raw + _target(ctx, ">= 0.95x"))
     res.bandwidth("compress_random_auto_wake", f"wake {_pause_note(ctx)}, {label}, compress='auto'", wbytes,
@@ -177,6 +183,7 @@ def many_rows(ctx: Context, core: Any, make: Callable[[list], Any], granularity:
             if not accept(core, mode):
                 res.skipped(f"{label}, compress={mode!r}", "the allocator has no compress= policy")
                 continue
+            res.configure(config.short(core))
             m = _sleep_wake(ctx, core, w, n)
             key = f"compress_many_{mode}"
             res.bandwidth(f"{key}_sleep", f"sleep, {label}, compress={mode!r} {steady(n)}", total, m["sleep_s"],
@@ -199,6 +206,7 @@ def first_sleep_rows(ctx: Context, core: Any, sim_alloc: Optional[Any] = None) -
     if not accept(core, "auto"):
         ctx.res.skipped("first sleep, compressed", "the allocator has no compress= policy")
         return
+    ctx.res.configure(config.short(core))
     if ctx.gpu:
         _first_sleeps_gpu(ctx, core, specs, wbytes, d2h)
     else:

@@ -29,6 +29,7 @@ import time
 from typing import Any, Callable, Optional
 
 from ..workload import WEIGHTS_TAG, MiB, VerificationError, reference_workload, sim_granularity, total_bytes
+from . import config
 from .common import Context, fmt_bytes, retain_default, say, timed
 from .compress_data import fill_tensors, sim_bytes
 from .fs_rate import IO_ALIGN, FsRate, measure
@@ -167,6 +168,7 @@ def _compressed(ctx: Context, core: Any, subject: Any, rate: FsRate, wbytes: int
         return
     refill_bf16()
     core.set_tag_policy(WEIGHTS_TAG, backup_tier="file", compress="auto")
+    res.configure(config.short(core))
     n = max(1, ctx.cycles)
     recs: list[dict] = []
     for _ in range(n):
@@ -200,6 +202,7 @@ def _cycles(ctx: Context, core: Any, subject: Any, key: str, label: str, n: int,
             staging: int, budget: int) -> None:
     """`n` sleep/wake cycles of the weights; each wake verified, the host memory held read while asleep."""
     res = ctx.res
+    res.configure(config.short(core))  # the tier and budget the caller set
     recs: list[dict] = []
     sleep: Callable[[], Any] = lambda: core.sleep(WEIGHTS_TAG)  # noqa: E731
     for _ in range(n):
@@ -277,6 +280,7 @@ def _retained(ctx: Context, core: Any, subject: Any, rate: FsRate, wbytes: int) 
         core.set_retain_backups(False)
         return
     n = max(1, ctx.cycles)
+    res.configure(config.short(core))
     recs = rewrite_cycles(subject, sleep, wake, {"unchanged": n, "one_percent": n}, chunk, ctx.sync)
     write_s = wbytes / rate.write_gbps / 1e9
     for kind, what in (("unchanged", "weights unchanged since wake"), ("one_percent", "1% of chunks rewritten")):

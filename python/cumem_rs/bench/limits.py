@@ -68,8 +68,8 @@ def limit(ctx: Context, nbytes: int, key: str = "") -> tuple[float, float]:
 
 def _measure(ctx: Context, nbytes: int, key: str) -> tuple[float, float]:
     res = ctx.res
-    before = res.current_section
-    res.section(SECTION)
+    before, before_config = res.current_section, res.current_config
+    res.section(SECTION)  # a plain copy: no allocator configuration
     try:
         if not ctx.gpu:
             gbps = memcpy_gbps(nbytes)
@@ -91,3 +91,4 @@ def _measure(ctx: Context, nbytes: int, key: str) -> tuple[float, float]:
         return h2d, d2h
     finally:
         res.section(before)
+        res.configure(before_config)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 
 from ..workload import KV_TAG, WEIGHTS_TAG, TorchWorkload, reference_workload, total_bytes
+from . import config
 from .common import Context, fmt_seconds, say, timed
 from .limits import limit
 from .subjects import release_tensors
@@ -44,6 +45,7 @@ def run(ctx: Context) -> None:
     cumem = CuMemAllocator.get_instance()
     core = Allocator.cuda()
     core.set_retain_backups(False)
+    ctx.res.configure(config.short(core))
     previous = cumem.pin_ahead
     try:
         for key, label, on, delay, note in CASES:

@@ -1,7 +1,9 @@
 """The benchmark's tables as one PNG chart (`bench --plot PATH`; `bench --from-json JSON --plot PATH` redraws one
-from a JSON written by `bench --json`): per table, a horizontal bar per row that has a ratio, against its
-reference (the copy limit, the raw driver calls, the peer: the row says which), the reference drawn at 1.0. Green
-is better than the reference (a rate above it, a time below it), blue is not.
+from a JSON written by `bench --json`): first the RL-loop table's three panels (sleep and wake against the link,
+host memory held against the raw bytes, per steady cycle, compressed and raw; see rl_report), then per table a
+horizontal bar per row that has a ratio, against its reference (the copy limit, the raw driver calls, the peer:
+the row says which), the reference drawn at 1.0. Green is better than the reference (a rate above it, a time
+below it), blue is not.
 
 matplotlib is optional: without it the benchmark still runs and says how to get the chart."""
 
@@ -12,6 +14,8 @@ import json
 import os
 import sys
 from typing import Any, Optional
+
+from . import rl_report
 
 MISSING = "matplotlib is not installed, so no chart was drawn (pip install matplotlib, then run again)"
 
@@ -46,9 +50,9 @@ def tables(rows: list[dict]) -> dict[str, list[tuple[str, float, bool]]]:
     return out
 
 
-def plot_file(rows: list[dict], path: str, title: str) -> Optional[str]:
-    """Draw the chart into `path`; returns the path, or None (with a message) where matplotlib is missing or
-    no row has a ratio."""
+def plot_file(rows: list[dict], path: str, title: str, rl: Optional[dict] = None) -> Optional[str]:
+    """Draw the chart into `path` (with `rl`, the metrics of an RL-loop table, its panels first); returns the
+    path, or None (with a message) where matplotlib is missing or there is nothing to draw."""
     try:
         import matplotlib
 
@@ -58,13 +62,16 @@ def plot_file(rows: list[dict], path: str, title: str) -> Optional[str]:
         print(MISSING, file=sys.stderr)
         return None
     data = tables(rows)
-    if not data:
+    rl_panels = len(rl_report.PANELS) if rl and rl.get("records") else 0
+    if not data and not rl_panels:
         print("no row of this run has a ratio: no chart drawn", file=sys.stderr)
         return None
-    heights = [max(1.2, 0.32 * len(items) + 0.9) for items in data.values()]
-    fig, axes = plt.subplots(len(data), 1, figsize=(11, sum(heights)), squeeze=False,
+    heights = [2.4] * rl_panels + [max(1.2, 0.32 * len(items) + 0.9) for items in data.values()]
+    fig, axes = plt.subplots(len(heights), 1, figsize=(11, sum(heights)), squeeze=False,
                              gridspec_kw={"height_ratios": heights})
-    for ax, (table, items) in zip(axes[:, 0], data.items()):
+    if rl_panels:
+        rl_report.draw(list(axes[:rl_panels, 0]), rl)  # type: ignore[arg-type]
+    for ax, (table, items) in zip(axes[rl_panels:, 0], data.items()):
         names = [label for label, _, _ in items]
         ratios = [ratio for _, ratio, _ in items]
         ax.barh(range(len(items)), ratios, color=["#55a868" if better else "#4c72b0" for _, _, better in items])
@@ -85,6 +92,11 @@ def plot_file(rows: list[dict], path: str, title: str) -> Optional[str]:
 
 def load_rows(path: str) -> list[dict]:
     """The rows of a JSON written by `bench --json`; SystemExit naming the file when it is not one."""
+    return load_json(path)[1]
+
+
+def load_json(path: str) -> tuple[dict, list[dict]]:
+    """(metrics, rows) of a JSON written by `bench --json`; SystemExit naming the file when it is not one."""
     try:
         with open(path) as f:
             data: Any = json.load(f)
@@ -92,4 +104,5 @@ def load_rows(path: str) -> list[dict]:
         raise SystemExit(f"error: cannot read {path!r}: {e}")
     if not isinstance(data, dict) or not isinstance(data.get("rows"), list):
         raise SystemExit(f"error: {path!r} is not a benchmark JSON (no 'rows' list)")
-    return data["rows"]
+    metrics = data.get("metrics")
+    return (metrics if isinstance(metrics, dict) else {}), data["rows"]

@@ -29,6 +29,7 @@ from ..workload import (
     sim_granularity,
     total_bytes,
 )
+from . import config
 from .common import Context, fmt_bytes, fmt_seconds, retain_default, say, timed
 from .limits import limit
 from .subjects import CoreTensors, SimSubject, TensorSubject, choose_chunks, release_tensors, sim_allocator
@@ -178,6 +179,7 @@ def _policies(ctx: Context, core: Any, label: str, key: str, subject: Any, sleep
     for on in (True, False):
         state = "on" if on else "off"
         core.set_retain_backups(on)
+        ctx.res.configure(config.short(core))
         # Warm-up: a copy-everything sleep, then the wake that binds the backups (retain on).
         timed(sleep, ctx.sync)
         nothing_mapped()

@@ -21,6 +21,7 @@ from ..workload import (
     reference_workload,
     total_bytes,
 )
+from . import config
 from .common import Context, Results, fmt_bytes, fmt_seconds, report_seconds, say, timed
 from .limits import limit
 from .malloc import raw_kv_baseline
@@ -87,6 +88,8 @@ def verify_cost_rows(res: Results, core: Any, cycle: Callable[[], tuple[float, f
         return
     wakes: list[float] = []
     core.set_verify_wakes(False)
+    config_before = res.current_config
+    res.configure(config.short(core))
     try:
         for _ in range(max(cycles, 1)):
             wakes.append(cycle()[1])
@@ -102,6 +105,7 @@ def verify_cost_rows(res: Results, core: Any, cycle: Callable[[], tuple[float, f
         note += f"; the verified steady wake takes {100 * cost:+.1f}% more" + (" (target <= 5%)" if gpu else "")
     res.bandwidth("wake_unverified", f"wake, steady, verification off (median of {len(wakes)})", wbytes, off, h2d,
                   note)
+    res.configure(config_before)
     res.metrics["wake_unverified_all_s"] = wakes
 
 
@@ -135,6 +139,7 @@ def _sim(ctx: Context, specs: list, wbytes: int, limit_gbps: float) -> None:
     alloc = sim_allocator(ctx.scale, (s.nbytes for s in specs))
     try:
         alloc.set_retain_backups(False)
+        res.configure(config.short(alloc))
         wl = AllocatorWorkload(alloc, specs)
         wl.allocate()
         wl.fill(WEIGHTS_TAG)
@@ -179,6 +184,7 @@ def _cuda(ctx: Context, specs: list, wbytes: int, h2d: float, d2h: float) -> Non
     cumem = CuMemAllocator.get_instance()
     core = Allocator.cuda()
     core.set_retain_backups(False)
+    res.configure(config.short(core))
     wl = TorchWorkload(specs, device=ctx.device)
     # The cold row measures a sleep that pins its arena itself (the pin_ahead table measures pinning ahead).
     previous, cumem.pin_ahead = cumem.pin_ahead, False

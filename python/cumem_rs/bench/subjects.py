@@ -41,7 +41,7 @@ def choose_chunks(spans: list[Span], chunk: int, fraction: float, rng: random.Ra
     return [(k * chunk, chunk) for k in picked]
 
 
-def _overlaps(starts: list[int], spans: list[Span], lo: int, hi: int) -> list[tuple[int, int, int]]:
+def overlaps(starts: list[int], spans: list[Span], lo: int, hi: int) -> list[tuple[int, int, int]]:
     """(index of span, start, end offset inside it) of every span of the sorted `spans` meeting [lo, hi)."""
     out = []
     i = max(0, bisect.bisect_right(starts, lo) - 1)
@@ -75,7 +75,7 @@ class TensorSubject:
     def rewrite(self, ranges: list[Span]) -> None:
         """Add 1 to every byte of the weights inside `ranges`, with kernels on the current stream."""
         for lo, n in ranges:
-            for i, s, e in _overlaps(self._starts, self._spans, lo, lo + n):
+            for i, s, e in overlaps(self._starts, self._spans, lo, lo + n):
                 self._views[i][s:e].add_(1)
 
     def remember(self) -> None:
@@ -175,7 +175,7 @@ class SimSubject:
     def rewrite(self, ranges: list[Span]) -> None:
         starts = [a for a, _ in self._spans]
         for lo, n in ranges:
-            for i, s, e in _overlaps(starts, self._spans, lo, lo + n):
+            for i, s, e in overlaps(starts, self._spans, lo, lo + n):
                 new = bytes(self._expected[i][s:e]).translate(_PLUS_ONE)
                 self.alloc.write(self._spans[i][0] + s, new)
                 self._expected[i][s:e] = new

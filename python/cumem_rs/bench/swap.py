@@ -215,7 +215,8 @@ def run(ctx: Context) -> None:
 def _mode_rows(ctx: Context, children: list[_Child], mode: str, wbytes: int, limit: float) -> None:
     res = ctx.res
     a, b = children
-    _both(children, cmd="mode", compress=mode)
+    answers = _both(children, cmd="mode", compress=mode)
+    res.configure(answers[0].get("config", ""))
     recs = []
     for _ in range(max(1, ctx.cycles)):
         # One after the other: each starts as soon as it reads the command.

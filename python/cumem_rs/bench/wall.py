@@ -11,6 +11,7 @@ import statistics
 from typing import Any, Callable, Optional
 
 from ..workload import KV_TAG, WEIGHTS_TAG, TorchWorkload, reference_workload, total_bytes
+from . import config
 from .common import Context, Results, report_seconds, say, timed
 from .limits import limit
 from .malloc import raw_kv_baseline
@@ -54,6 +55,7 @@ def run(ctx: Context) -> None:
     cumem = CuMemAllocator.get_instance()
     core = Allocator.cuda()
     core.set_retain_backups(False)
+    res.configure(config.short(core))
     wl = TorchWorkload(specs, device=ctx.device)
     try:
         wl.allocate(cumem)

@@ -19,6 +19,7 @@ use super::cuda_codec::{self, CodecRing};
 use super::cuda_fingerprint::FingerprintKernel;
 use super::nvcomp::{self, NvComp};
 use super::{DevPtr, DeviceInfo, Driver, HostPtr, Op, PhysHandle};
+use crate::env;
 use crate::error::{Error, Result};
 use crate::fingerprint::Fingerprint;
 
@@ -59,9 +60,10 @@ pub struct CudaDriver {
     nvcomp: Option<&'static NvComp>,
 }
 
-/// Whether `CUMEM_RS_COMPRESS` leaves compression on (anything but `0`/`off`).
+/// Whether `CUMEM_RS_COMPRESS` leaves compression on: the engine's parse of it (`env::compress_from`), so that
+/// the two never disagree on a spelling.
 fn compression_wanted() -> bool {
-    std::env::var("CUMEM_RS_COMPRESS").map_or(true, |v| !matches!(v.trim(), "0" | "off"))
+    env::compress_from(env::process_var)
 }
 
 /// Whether libcuda can be loaded; never panics.
@@ -306,7 +308,7 @@ impl Drop for CtxGuard {
 }
 
 fn rdma_wanted() -> bool {
-    std::env::var("CUMEM_RS_GPU_DIRECT_RDMA").map_or(true, |v| v != "0")
+    env::flag(env::GPU_DIRECT_RDMA, true)
 }
 
 fn attribute(dev: sys::CUdevice, attr: sys::CUdevice_attribute) -> Result<i32> {

@@ -45,7 +45,7 @@ const DEFAULT_CHUNK_KIB: usize = 1024;
 pub(super) fn chunk() -> usize {
     static CHUNK: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
     *CHUNK.get_or_init(|| {
-        let kib = std::env::var("CUMEM_RS_NVCOMP_CHUNK_KIB").ok();
+        let kib = crate::env::process_var(crate::env::NVCOMP_CHUNK_KIB);
         match kib.as_deref().map(|v| v.trim().parse::<usize>()) {
             None => DEFAULT_CHUNK_KIB << 10,
             Some(Ok(k)) if k.is_power_of_two() && (64..=2048).contains(&k) => k << 10,
@@ -156,9 +156,8 @@ unsafe impl Send for CodecRing {}
 unsafe impl Sync for CodecRing {}
 
 fn ring_bytes() -> usize {
-    let mib = std::env::var("CUMEM_RS_NVCOMP_RING_MIB")
-        .ok()
-        .map(|v| v.trim().parse::<usize>());
+    let mib =
+        crate::env::process_var(crate::env::NVCOMP_RING_MIB).map(|v| v.trim().parse::<usize>());
     match mib {
         None => DEFAULT_RING_MIB << 20,
         Some(Ok(m)) if m > 0 => m << 20,
@@ -205,8 +204,7 @@ impl CodecRing {
             nv,
             ordinal,
             batch_copies: copies::batch_available(),
-            mapped_sizes: !std::env::var("CUMEM_RS_NVCOMP_MAPPED_SIZES")
-                .is_ok_and(|v| v.trim() == "0"),
+            mapped_sizes: crate::env::flag(crate::env::NVCOMP_MAPPED_SIZES, true),
             stream: std::ptr::null_mut(),
             chunks,
             stride,

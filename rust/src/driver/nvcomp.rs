@@ -230,7 +230,8 @@ impl OpenError {
 }
 
 fn find_and_open(driver_version: i32) -> Result<NvComp, Missing> {
-    if let Some(path) = std::env::var_os("CUMEM_RS_NVCOMP_LIB").filter(|p| !p.is_empty()) {
+    if let Some(path) = crate::env::process_var_os(crate::env::NVCOMP_LIB).filter(|p| !p.is_empty())
+    {
         let path = PathBuf::from(path);
         // An explicit path is the user's choice: no other library replaces it silently.
         return open(&path.to_string_lossy(), "CUMEM_RS_NVCOMP_LIB").map_err(|e| {

@@ -1,23 +1,26 @@
-//! The engine's configuration: every environment variable the Rust side reads, read once, when an engine is made.
-//! (The README's table of environment variables lists these and the Python-side ones.)
+//! The engine's configuration: the environment variables of the engine and its backup store, read once, when an
+//! engine is made, through `crate::env` (where every variable the Rust side reads is named and parsed).
+//! (docs/configuration.md's table of environment variables lists these and the Python-side ones.)
 
 pub use crate::backups::BUDGET_ENV as HOST_BUDGET_ENV;
 pub use crate::backups::SPILL_DIR_ENV;
 use crate::backups::{StoreConfig, DEFAULT_PIN_CHUNK};
+use crate::env;
 use crate::fingerprint;
 use crate::host_guard::parse_size;
 
 use super::group::DEFAULT_GROUP_BYTES;
 
-/// `CUMEM_RS_RETAIN_BACKUPS`: `0` turns retained backups off (default on).
-pub const RETAIN_ENV: &str = "CUMEM_RS_RETAIN_BACKUPS";
+/// `CUMEM_RS_RETAIN_BACKUPS`: a switch (`crate::env::flag`), default on.
+pub use crate::env::RETAIN_BACKUPS as RETAIN_ENV;
 /// `CUMEM_RS_WAKE_GROUP_BYTES`: the largest wake group, bytes with `K`/`M`/`G` suffixes; `0` turns groups off.
 pub const WAKE_GROUP_ENV: &str = "CUMEM_RS_WAKE_GROUP_BYTES";
-/// `CUMEM_RS_COMPRESS`: `0` turns compressed backups off (default on where the driver has a codec).
-pub const COMPRESS_ENV: &str = "CUMEM_RS_COMPRESS";
-/// `CUMEM_RS_VERIFY_WAKE`: `0` turns off the comparison of what every wake restores with the fingerprints its
-/// sleep took (default on; see `crate::backups` verify.rs).
-pub const VERIFY_WAKE_ENV: &str = "CUMEM_RS_VERIFY_WAKE";
+/// `CUMEM_RS_COMPRESS`: a switch, default on where the driver has a codec; the CUDA driver reads it through the
+/// same parser (`crate::env::compress_from`).
+pub use crate::env::COMPRESS as COMPRESS_ENV;
+/// `CUMEM_RS_VERIFY_WAKE`: a switch, default on: every wake compares what it restored with the fingerprints its
+/// sleep took (`crate::backups` verify.rs).
+pub use crate::env::VERIFY_WAKE as VERIFY_WAKE_ENV;
 /// `CUMEM_RS_HOST_MEMORY_LIMIT`: a cap on the host memory backups may take (see `crate::host_guard`).
 pub use crate::host_guard::LIMIT_ENV as HOST_MEMORY_LIMIT_ENV;
 
@@ -63,15 +66,13 @@ impl EngineConfig {
     /// The defaults, changed by the environment variables set. A value that cannot be read is ignored with a
     /// warning (a typo must not stop the process from starting).
     pub fn from_env() -> EngineConfig {
-        Self::from_vars(|name| std::env::var(name).ok())
+        Self::from_vars(env::process_var)
     }
 
     /// As `from_env`, reading variables through `var`.
     pub fn from_vars(var: impl Fn(&str) -> Option<String>) -> EngineConfig {
         let mut c = EngineConfig::default();
-        if let Some(v) = var(RETAIN_ENV) {
-            c.retain_backups = v != "0";
-        }
+        c.retain_backups = env::flag_from(&var, RETAIN_ENV, c.retain_backups);
         if let Some(v) = var(WAKE_GROUP_ENV) {
             match parse_size(&v) {
                 Some(n) => c.wake_group_bytes = n,
@@ -94,12 +95,8 @@ impl EngineConfig {
                 log::warn!("{HOST_BUDGET_ENV}={v:?} is not a byte count; ignored");
             }
         }
-        if let Some(v) = var(COMPRESS_ENV) {
-            c.compress = v != "0";
-        }
-        if let Some(v) = var(VERIFY_WAKE_ENV) {
-            c.verify_wake = v != "0";
-        }
+        c.compress = env::compress_from(&var);
+        c.verify_wake = env::flag_from(&var, VERIFY_WAKE_ENV, c.verify_wake);
         c.spill_dir = var(SPILL_DIR_ENV).filter(|v| !v.is_empty()).map(Into::into);
         c
     }
@@ -162,5 +159,40 @@ mod tests {
         assert!(with(&[]).verify_wake);
         assert!(!with(&[(VERIFY_WAKE_ENV, "0")]).verify_wake);
         assert!(with(&[(VERIFY_WAKE_ENV, "1")]).verify_wake);
+    }
+
+    /// The engine's switches take the spellings of every switch (`crate::env::parse_flag`): `off` is off, as
+    /// the CUDA driver reads `CUMEM_RS_COMPRESS` before it loads nvCOMP.
+    #[test]
+    fn switches_read_every_spelling_as_the_driver_does() {
+        for (text, on) in [
+            ("off", false),
+            ("false", false),
+            ("No", false),
+            ("on", true),
+            ("TRUE", true),
+        ] {
+            assert_eq!(
+                with(&[(COMPRESS_ENV, text)]).compress,
+                on,
+                "{COMPRESS_ENV}={text}"
+            );
+            assert_eq!(
+                with(&[(RETAIN_ENV, text)]).retain_backups,
+                on,
+                "{RETAIN_ENV}={text}"
+            );
+            assert_eq!(
+                with(&[(VERIFY_WAKE_ENV, text)]).verify_wake,
+                on,
+                "{VERIFY_WAKE_ENV}={text}"
+            );
+        }
+        // Unset, empty or unreadable: the default (on), as before.
+        for text in ["", "maybe"] {
+            assert!(with(&[(COMPRESS_ENV, text)]).compress);
+            assert!(with(&[(RETAIN_ENV, text)]).retain_backups);
+            assert!(with(&[(VERIFY_WAKE_ENV, text)]).verify_wake);
+        }
     }
 }

@@ -40,6 +40,13 @@ fn fingerprint_bytes(
     })
 }
 
+/// The switch `name` of the process environment, read as the Rust side reads every switch (`crate::env::flag`:
+/// 1/true/yes/on, 0/false/no/off; unset, empty or unreadable: `default`), so Python-side switches spell the same.
+#[pyfunction]
+fn env_flag(name: &str, default: bool) -> PyResult<bool> {
+    guard(|| Ok(crate::env::flag(name, default)))
+}
+
 /// True when libcuda loads and reports at least one VMM-capable device. Never raises.
 #[pyfunction]
 fn cuda_available(py: Python<'_>) -> bool {
@@ -74,6 +81,7 @@ fn _panic_in_next_ffi_call(on: bool) -> PyResult<()> {
 
 pub(super) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(cuda_available, m)?)?;
+    m.add_function(wrap_pyfunction!(env_flag, m)?)?;
     m.add_function(wrap_pyfunction!(is_cuda_allocator_ready, m)?)?;
     m.add_function(wrap_pyfunction!(ffi_errors, m)?)?;
     m.add_function(wrap_pyfunction!(drain_logs, m)?)?;

@@ -139,6 +139,8 @@ pub(super) fn allocations_list<'py>(
 
 /// `Stats`: the allocator's counters.
 pub(super) fn stats_dict<'py>(py: Python<'py>, s: &Stats) -> PyResult<Bound<'py, PyDict>> {
+    // Process-wide: the preload hook routes for the whole process.
+    let unrouted = crate::preload::unrouted_counts();
     Ok(dict!(py, {
         "live_allocations" => s.live_allocations,
         "asleep_allocations" => s.asleep_allocations,
@@ -167,6 +169,8 @@ pub(super) fn stats_dict<'py>(py: Python<'py>, s: &Stats) -> PyResult<Bound<'py,
         "wake_groups" => s.wake_groups,
         "unreturned_bytes" => s.unreturned_bytes,
         "own_device_bytes" => s.own_device_bytes,
+        "preload_unrouted_calls" => unrouted.calls,
+        "preload_unrouted_bytes" => unrouted.bytes,
         "last_sleep" => optional_report(py, s.last_sleep.as_ref())?,
         "last_wake" => optional_report(py, s.last_wake.as_ref())?,
     }))

@@ -20,7 +20,7 @@ static BATCH_FAILED: AtomicBool = AtomicBool::new(false);
 
 /// Whether the driver exports the batch call and the user did not switch it off; asked once per ring.
 pub(super) fn batch_available() -> bool {
-    if std::env::var("CUMEM_RS_NVCOMP_BATCH_COPY").is_ok_and(|v| v.trim() == "0") {
+    if !crate::env::flag(crate::env::NVCOMP_BATCH_COPY, true) {
         return false;
     }
     // SAFETY: looks a symbol up in the loaded libcuda without calling it (cudarc would panic on a missing one).
