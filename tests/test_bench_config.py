@@ -39,6 +39,9 @@ def test_short_says_default_or_only_the_differences():
         a.set_tag_policy(WEIGHTS_TAG, compress="off")
         assert config.short(a) == "compress off, retain off"
         assert config.short(a, "kv_cache") == "retain off"  # policies are per tag
+        a.set_verify_wakes(False)
+        assert config.short(a) == "compress off, retain off, verify off"
+        assert config.describe(a) == "compress off, retain off, budget none, host tier, verify off"
     finally:
         a.close()
     b = Allocator.simulated(compress=False)

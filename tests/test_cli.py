@@ -303,6 +303,9 @@ def test_bench_on_the_simulated_device(tmp_path):
     assert any(r["name"].startswith("sleep, steady") for r in data["rows"])
     # The copy path: every steady sleep copied every byte.
     assert m["sleep_skipped_all_bytes"] == [0, 0, 0]
+    # The steady wake again without the wake's verification, same run.
+    assert "wake, steady, verification off (median of 2)" in p.stdout and len(m["wake_unverified_all_s"]) == 2
+    assert "verify_wake_cost" in m
     assert m["tables"] == ["sleep_wake", "malloc"] and set(m["table_seconds"]) == {"sleep_wake", "malloc"}
     assert not any(k.startswith(("retained_", "alloc_count_")) for k in m)
 

@@ -196,14 +196,21 @@ def test_fingerprint_failure_at_the_first_sleep_retains_nothing(sim_a):
 
 
 @pytest.mark.usefixtures("raw_backups")  # the raw path: counts its copies or host bytes
-def test_wake_runs_no_kernel(sim_a):
-    """Prints are taken at sleep; a wake only copies (a kernel there would hold up the maps under the copies)."""
-    weights(sim_a, 2)
-    sim_a.sleep("weights")
-    before = sim_a.driver_counts()["calls"]["fingerprint"]
-    sim_a.wake_up(None)
-    assert sim_a.driver_counts()["calls"]["fingerprint"] == before
-    assert sim_a.stats()["retained_allocations"] == 1
+@pytest.mark.parametrize("verify", ["1", "0"])
+def test_wake_runs_one_kernel_per_device_to_verify_and_none_without(monkeypatch, verify):
+    """Retention's prints are taken at sleep; a wake fingerprints only to verify what it restored, in one batch per
+    device after every map (a kernel in flight would hold up the maps under the copies), and not at all with
+    CUMEM_RS_VERIFY_WAKE=0."""
+    monkeypatch.setenv("CUMEM_RS_VERIFY_WAKE", verify)
+    with allocator_for("sim") as a:
+        a.set_fingerprint_chunk(CHUNK)
+        size = weights(a, 2)[1]
+        a.sleep("weights")
+        before = a.driver_counts()["calls"]["fingerprint"]
+        rep = a.wake_up(None)
+        assert a.driver_counts()["calls"]["fingerprint"] - before == int(verify)
+        assert rep["verified_bytes"] == size * int(verify)
+        assert a.stats()["retained_allocations"] == 1
 
 
 def test_fingerprint_failure_at_sleep_copies_everything(sim_a):

@@ -63,8 +63,8 @@ __version__: str
 #: Operation names accepted by `Allocator.inject_fault` (simulated driver only).
 FAULT_OPS: list[str]
 #: Also accepted by `inject_fault`, but the call succeeds with wrong results instead of failing:
-#: "decompress_corrupt" flips a byte of what a wake's decompression restored, which the wake's verification
-#: against the sleep's fingerprints must catch.
+#: "decompress_corrupt" flips a byte of what a wake's decompression restored, "copy_h2d_corrupt" one of what a
+#: host -> device copy wrote, which the wake's verification against the sleep's fingerprints must catch.
 CORRUPTING_FAULT_OPS: list[str]
 #: Error kinds accepted by `Allocator.inject_fault`.
 FAULT_ERRORS: list[str]
@@ -226,9 +226,11 @@ class Allocator:
         copied_bytes + skipped_bytes. Sizes are the allocations' rounded (mapped) sizes."""
     def wake_up(self, tags: Optional[Union[str, Sequence[str]]] = None) -> Report:
         """Map new physical memory at the same addresses for asleep allocations of `tags` (None = all) and copy
-        backups back. Transactional: on failure nothing is woken and the backups are kept. Returns a `Report` like
-        sleep's: copied_bytes restored, discarded_bytes woken without contents, zeroed_bytes of those filled with
-        zeros per their tag's wake_fill policy."""
+        backups back. Transactional: on failure nothing is woken and the backups are kept. Every restored chunk is
+        compared with the fingerprint its sleep took (any tier; CUMEM_RS_VERIFY_WAKE=0 turns it off): a mismatch
+        fails the wake like a failed copy. Returns a `Report` like sleep's: copied_bytes restored, discarded_bytes
+        woken without contents, zeroed_bytes of those filled with zeros per their tag's wake_fill policy,
+        verified_bytes of those restored that were verified."""
     def discard(self, tags: Union[str, Sequence[str]]) -> Report:
         """Release awake allocations of `tags` without backup (contents undefined after wake)."""
     def read(self, address: int, size: int) -> bytes:
@@ -312,6 +314,13 @@ class Allocator:
         chunks whose GPU fingerprint changed (default on; env CUMEM_RS_RETAIN_BACKUPS=0). False drops them all."""
     def retains_backups(self) -> bool:
         """Whether wakes keep backups now: policy on, host memory kept, fingerprint kernel available."""
+    def set_verify_wakes(self, on: bool) -> None:
+        """Compare what every wake restores with the fingerprints its sleep took, at every tier (default on; env
+        CUMEM_RS_VERIFY_WAKE=0 starts it off). A mismatch fails the wake like a failed copy. Sleeps take those
+        fingerprints while it is on (or backups are retained); a backup made by a sleep that took none wakes
+        unverified."""
+    def verifies_wakes(self) -> bool:
+        """The setting of `set_verify_wakes`."""
     def set_fingerprint_chunk(self, nbytes: int) -> None:
         """Bytes per fingerprinted chunk (positive multiple of 16; default 2 MiB). A change drops retained backups."""
     def set_wake_group_bytes(self, nbytes: int) -> None:
@@ -377,6 +386,7 @@ class Allocator:
         retained by an awake one) is raw host memory; None otherwise (no backup, compressed, in a file: read_backup
         copies those). The bytes stay mapped as long as the `HostBytes` lives, whatever happens to the backup.
         `writable` (default True): the caller may write through it, which makes the next sleep of the allocation
-        copy it whole; False promises to only read. ValueError outside every allocation."""
+        copy it whole, and a write into an asleep backup is restored as written (that wake does not verify it
+        against the sleep's fingerprints); False promises to only read. ValueError outside every allocation."""
     def keep_host_memory(self) -> bool:
         """The setting of `set_keep_host_memory`."""

@@ -66,6 +66,9 @@ class Report(TypedDict):
     #: blobs take (stored_bytes / raw_bytes is the ratio); raw backups count in neither.
     raw_bytes: int
     stored_bytes: int
+    #: Wake: bytes restored and found equal to the fingerprints their sleep took, at every tier (0 on sleep and
+    #: with CUMEM_RS_VERIFY_WAKE=0; backups without prints, or written through a writable view, are not counted).
+    verified_bytes: int
     seconds: float
     #: copied_bytes / seconds / 1e9 (0.0 when nothing took time).
     gb_per_s: float

@@ -11,6 +11,8 @@
 pub const COMPRESS: &str = "CUMEM_RS_COMPRESS";
 /// `CUMEM_RS_RETAIN_BACKUPS`: keep backups bound to their allocations across wake (default on).
 pub const RETAIN_BACKUPS: &str = "CUMEM_RS_RETAIN_BACKUPS";
+/// `CUMEM_RS_VERIFY_WAKE`: every wake compares what it restored with the fingerprints its sleep took (default on).
+pub const VERIFY_WAKE: &str = "CUMEM_RS_VERIFY_WAKE";
 /// `CUMEM_RS_GPU_DIRECT_RDMA`: ask for GPUDirect RDMA on allocations of devices that support it (default on).
 pub const GPU_DIRECT_RDMA: &str = "CUMEM_RS_GPU_DIRECT_RDMA";
 /// `CUMEM_RS_NVCOMP_BATCH_COPY`: the codec copies a batch with one `cuMemcpyBatchAsync` (default on).

@@ -464,6 +464,17 @@ impl Allocator {
         guard(|| Ok(py.detach(|| self.engine.retains_backups())?))
     }
 
+    fn set_verify_wakes(&self, py: Python<'_>, on: &Bound<'_, PyAny>) -> PyResult<()> {
+        guard(|| {
+            let on = bool_arg(on, "on")?;
+            Ok(py.detach(|| self.engine.set_verify_wakes(on))?)
+        })
+    }
+
+    fn verifies_wakes(&self, py: Python<'_>) -> PyResult<bool> {
+        guard(|| Ok(py.detach(|| self.engine.verifies_wakes())?))
+    }
+
     fn set_fingerprint_chunk(&self, py: Python<'_>, nbytes: &Bound<'_, PyAny>) -> PyResult<()> {
         guard(|| {
             let n = size_arg(nbytes, "nbytes", false)?;

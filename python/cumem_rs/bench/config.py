@@ -1,7 +1,7 @@
 """The configuration a benchmark row ran in, read back from the allocator (not what the table meant to set): the
-compression of the weights' backups, retained backups, the host budget and the tier. A row in the default
-configuration (compression as the environment has it, retained backups on, no budget, host tier) says so; a row
-that changed any of them names what it changed.
+compression of the weights' backups, retained backups, the host budget, the tier and the wake's verification. A row
+in the default configuration (compression as the environment has it, retained backups on, no budget, host tier,
+wakes verified) says so; a row that changed any of them names what it changed.
 """
 
 from __future__ import annotations
@@ -33,17 +33,21 @@ def settings(alloc: Any, tag: str = WEIGHTS_TAG) -> dict[str, str]:
         tier = "host" if budget is None or alloc.spill_dir is None else "host+file"
     # retains_backups(): the policy, host memory kept, and the fingerprint kernel loaded (what the row really got).
     return dict(compress=compress, retain="on" if alloc.retains_backups() else "off",
-                budget="none" if budget is None else fmt_bytes(budget), tier=tier)
+                budget="none" if budget is None else fmt_bytes(budget), tier=tier,
+                verify="on" if alloc.verifies_wakes() else "off")
 
 
 def is_default(s: dict[str, str]) -> bool:
     return s["compress"] in ("auto", "none (no codec)") and s["retain"] == "on" and s["budget"] == "none" \
-        and s["tier"] == "host"
+        and s["tier"] == "host" and s["verify"] == "on"
 
 
 def label(s: dict[str, str]) -> str:
-    """"default (compress auto, retain on, no budget, host tier)" or the same words without "default"."""
+    """"default (compress auto, retain on, no budget, host tier)" or the same words without "default" (and
+    ", verify off" where wakes do not verify)."""
     words = f"compress {s['compress']}, retain {s['retain']}, budget {s['budget']}, {s['tier']} tier"
+    if s["verify"] != "on":
+        words += ", verify off"
     return f"{DEFAULT}: {words}" if is_default(s) else words
 
 
@@ -65,4 +69,6 @@ def short(alloc: Any, tag: str = WEIGHTS_TAG) -> str:
         diffs.append(f"budget {s['budget']}")
     if s["tier"] != "host":
         diffs.append(f"{s['tier']} tier")
+    if s["verify"] != "on":
+        diffs.append("verify off")
     return ", ".join(diffs) if diffs else DEFAULT

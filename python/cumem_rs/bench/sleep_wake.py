@@ -1,7 +1,8 @@
 """Sleep/wake of the reference workload on the copy path (retained backups off: every sleep copies every byte).
 
 One cold first cycle, then the median of --cycles steady cycles, as GB/s of the offloaded bytes and as a ratio of
-the copy limit, with the core's own time from its report beside the wall time; data verified every cycle. Then
+the copy limit, with the core's own time from its report beside the wall time; data verified every cycle. Then the
+steady wake with the wake's own verification off (`set_verify_wakes(False)`), what that verification costs; then
 host RAM held after wake under each `set_keep_host_memory` policy, and the discard of the KV cache alone (and its
 re-map) against raw cuMemUnmap+cuMemRelease (cuMemCreate+cuMemMap).
 """
@@ -78,6 +79,36 @@ def sleep_wake_cycles(res: Results, sleep: Callable[[], Any], wake: Callable[[],
                        wake_core_all_s=core_wakes, sleep_skipped_all_bytes=skipped)
 
 
+def verify_cost_rows(res: Results, core: Any, cycle: Callable[[], tuple[float, float]], cycles: int, wbytes: int,
+                     h2d: float, gpu: bool = True) -> None:
+    """The steady wake again with verification off (`set_verify_wakes(False)`), in the same run: what the wake's
+    fingerprint pass over the restored bytes costs, against the verified steady wake above (target <= 5%)."""
+    if not core.verifies_wakes():
+        res.skipped("wake, steady, verification off", "verification is off (CUMEM_RS_VERIFY_WAKE=0)")
+        return
+    wakes: list[float] = []
+    core.set_verify_wakes(False)
+    config_before = res.current_config
+    res.configure(config.short(core))
+    try:
+        for _ in range(max(cycles, 1)):
+            wakes.append(cycle()[1])
+    finally:
+        core.set_verify_wakes(True)
+    off = statistics.median(wakes)
+    verified = res.metrics.get("wake_all_s", [])[1:]
+    note = "host->device copy" if gpu else "memcpy"
+    if verified:
+        on = statistics.median(verified)
+        cost = (on - off) / on if on > 0 else 0.0
+        res.metrics["verify_wake_cost"] = cost
+        note += f"; the verified steady wake takes {100 * cost:+.1f}% more" + (" (target <= 5%)" if gpu else "")
+    res.bandwidth("wake_unverified", f"wake, steady, verification off (median of {len(wakes)})", wbytes, off, h2d,
+                  note)
+    res.configure(config_before)
+    res.metrics["wake_unverified_all_s"] = wakes
+
+
 def host_policy_rows(res: Results, core: Any, cycle: Callable[[], tuple[float, float]]) -> None:
     """Host RAM held after wake with keep_host_memory True (the default), then one cycle with False."""
     res.value("host_bytes_after_wake_keep", "host RAM held after wake, keep_host_memory=True", core.host_bytes(),
@@ -126,6 +157,7 @@ def _sim(ctx: Context, specs: list, wbytes: int, limit_gbps: float) -> None:
             verify()
             return ts, tw
 
+        verify_cost_rows(res, alloc, one_cycle, ctx.cycles, wbytes, limit_gbps, gpu=False)
         host_policy_rows(res, alloc, one_cycle)
 
         kv = total_bytes(specs, KV_TAG)
@@ -178,6 +210,7 @@ def _cuda(ctx: Context, specs: list, wbytes: int, h2d: float, d2h: float) -> Non
             verify()
             return ts, tw
 
+        verify_cost_rows(res, core, one_cycle, ctx.cycles, wbytes, h2d)
         host_policy_rows(res, core, one_cycle)
 
         if kvbytes:

@@ -11,9 +11,9 @@
 //! every write in flight is waited for; each allocation is awake with its data or asleep with a complete backup.
 //!
 //! Wake (`restore_packed_files`): reader threads read runs of back-to-back blobs (at most a slot, aligned for
-//! `O_DIRECT`) into slots while the codec restores the runs read before; then one fingerprint pass over the
-//! restored chunks is compared with the sleep's prints. A read error, a codec error or a mismatch fails the wake
-//! (naming the allocation); the file is never changed, so a later wake can succeed.
+//! `O_DIRECT`) into slots while the codec restores the runs read before; the wake then verifies the restored
+//! chunks against the sleep's prints with every other tier's (verify.rs). A read error, a codec error or a
+//! mismatch fails the wake (naming the allocation); the file is never changed, so a later wake can succeed.
 //!
 //! Retained (retain.rs): such a backup stays bound across a wake like a raw file backup, but blobs of changing
 //! lengths cannot be rewritten in place, chunk by chunk. So the next sleep checks it with one fingerprint pass
@@ -57,6 +57,11 @@ impl FilePacked {
     /// Bytes of the file it takes (its frames, each padded to an I/O block).
     pub(crate) fn disk_bytes(&self) -> usize {
         self.region.len
+    }
+
+    /// The prints its sleep took of its raw chunks, as (chunk, prints): what a wake verifies against (verify.rs).
+    pub(super) fn sleep_prints(&self) -> (usize, &[Fingerprint]) {
+        (self.chunk, &self.prints)
     }
 
     /// `out.len()` bytes from `at` of the raw contents, decoded on the host where the codec's format allows it.
@@ -316,8 +321,8 @@ pub(super) struct PackedRead {
 }
 
 /// Restore the compressed file backups `items` ((device, addr, backup) of mapped, asleep allocations) through the
-/// ring, and verify them against their sleep's prints (see the module comment). Every copy the codec queued is
-/// done when it returns, failure or not.
+/// ring (see the module comment; the wake verifies them afterwards). Every copy the codec queued is done when it
+/// returns, failure or not.
 pub(super) fn restore_packed_files(
     driver: &dyn Driver,
     (ring, io): (&StagingRing, &dyn SpillIo),
@@ -445,23 +450,6 @@ pub(super) fn restore_packed_files(
         drop(workers);
         failed.map_or(Ok(()), Err)
     })?;
-    // One fingerprint pass per device over the restored chunks, compared with the sleep's.
-    let allocs: Vec<(DevPtr, i32, usize, usize)> = (items.iter())
-        .map(|&(device, addr, p)| (addr, device, p.size, p.chunk))
-        .collect();
-    let t = Instant::now();
-    let restored = prints_of(driver, &allocs);
-    out.codec_seconds += t.elapsed().as_secs_f64();
-    let restored = restored?;
-    for (&(_, addr, p), got) in items.iter().zip(&restored) {
-        if let Some(i) = fingerprint::first_mismatch(&p.prints, got) {
-            return Err(Error::InvalidState(format!(
-                "wake: allocation {addr:#x} did not restore intact from its compressed file backup (chunk at \
-                 +{:#x} differs from the fingerprint its sleep took); every allocation stays asleep with its backup",
-                i * p.chunk
-            )));
-        }
-        out.raw += p.size;
-    }
+    out.raw = items.iter().map(|(_, _, p)| p.size).sum();
     Ok(out)
 }

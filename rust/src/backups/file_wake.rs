@@ -282,6 +282,7 @@ mod tests {
             host_budget: Some(0),
             spill_dir: Some(dir.clone()),
             compress: false,
+            verify_wake: true,
         };
         let mut store = BackupStore::new(sim.clone(), config);
         store.set_staging_bytes(8 * 4096).unwrap();

@@ -3,7 +3,8 @@
 //! Where an allocation's backed-up contents live (`Backup`: a piece of a shared pinned host arena, or of an
 //! unlinked spill file), the arenas themselves and the cached one kept for the next sleep (`HostPool`), the bound
 //! on the host memory they hold (bound.rs) and the host budget (budget.rs), backups kept bound to awake
-//! allocations with their chunk fingerprints (retain.rs), the background worker that pins the next sleep's arena
+//! allocations with their chunk fingerprints (retain.rs), the wake's check of every restored chunk against the
+//! fingerprints its sleep took, at every tier (verify.rs), the background worker that pins the next sleep's arena
 //! ahead of time (pin_ahead.rs), and the file tier (file_tier.rs and its wake pipeline file_wake.rs, compressed
 //! file backups in file_packed.rs, over staging.rs, spill_file.rs and the I/O threads of io_workers.rs) all live
 //! here.
@@ -29,6 +30,7 @@ mod slot_plan;
 mod spill_file;
 mod spill_names;
 mod spill_reclaim;
+mod verify;
 mod view;
 
 use std::collections::HashMap;
@@ -58,6 +60,7 @@ pub use retain::SleepPrints;
 pub use spill_file::{FaultKind, SPILL_DIR_ENV};
 use spill_file::{Faults, PosixIo, SpillDir, SpillFile};
 pub use spill_names::unlink_named_files;
+pub use verify::WakeCheck;
 pub use view::HostView;
 
 /// Host arena cell pinned at a time during a cold sleep: large enough that per-call overheads vanish, small
@@ -274,6 +277,8 @@ pub struct StoreConfig {
     pub spill_dir: Option<std::path::PathBuf>,
     /// Compress host backups where the driver has a codec (compressed.rs).
     pub compress: bool,
+    /// Compare what every wake restores with the prints its sleep took (verify.rs).
+    pub verify_wake: bool,
 }
 
 pub struct BackupStore {
@@ -314,6 +319,8 @@ pub struct BackupStore {
     views: view::Views,
     /// Allocations whose last compressed backup was all raw chunks (incompressible.rs).
     incompressible: incompressible::Incompressible,
+    /// The prints of asleep raw backups and what wakes found wrong (verify.rs).
+    verify: verify::Verification,
 }
 
 /// Record what pinning absorbed: registrations the driver's own allocation served, and worker threads that could
@@ -369,14 +376,16 @@ impl BackupStore {
             asleep_raw: 0,
             views: view::Views::default(),
             incompressible: Default::default(),
+            verify: verify::Verification::new(config.verify_wake),
             driver,
         }
     }
 
     // ----- the backups of asleep allocations ---------------------------------------------------------------
 
-    /// `addr` went to sleep with `backup`.
+    /// `addr` went to sleep with `backup` (the sleep's prints of it follow: `keep_sleep_prints`).
     pub fn keep(&mut self, addr: DevPtr, backup: Backup) {
+        self.verify.asleep.remove(&addr);
         self.count(&backup, true);
         if let Some(old) = self.asleep.insert(addr, backup) {
             self.count(&old, false);
@@ -420,6 +429,7 @@ impl BackupStore {
             self.take(*a);
         }
         self.retention.drop(addrs);
+        self.verify.forget(addrs);
         self.views.forget(addrs);
         self.incompressible.forget(addrs);
         self.collect_unused(log);
@@ -620,6 +630,7 @@ mod tests {
             host_budget: None,
             spill_dir: None,
             compress: false,
+            verify_wake: true,
         };
         (sim.clone(), BackupStore::new(sim, config))
     }

@@ -6,7 +6,8 @@
 //! kernel pass over the offloaded allocations queued ahead of their copies. The prints taken at a sleep describe
 //! the backup it made, hence the device contents right after the wake that restores it; the next sleep compares
 //! its own prints with them. (Fingerprinting at wake instead, behind the restore copies, was measured to hold up
-//! the wake by ~145 ms on an H200 with 48 GiB mapped under the copies: a kernel in flight serializes with maps.)
+//! the wake by ~145 ms on an H200 with 48 GiB mapped under the copies: a kernel in flight serializes with maps.
+//! The wake's verification, verify.rs, fingerprints what it restored only once every allocation is mapped.)
 //!
 //! Safety rules (stale data is never an outcome):
 //! - prints and retained backups are dropped by free, discard, a sleep that does not offload the tag, a wake
@@ -18,6 +19,7 @@
 //!   overwritten; copies into it are always waited for before that.
 
 use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
 use std::time::Instant;
 
 use super::file_tier::{align_runs, FileRewrite};
@@ -42,7 +44,8 @@ type StreamPoint = (i32, Option<u64>);
 pub(super) struct Retention {
     /// Backups kept bound to awake allocations after the wake that restored them.
     pub(super) retained: HashMap<DevPtr, Backup>,
-    /// Chunk fingerprints of backups (of asleep allocations, and of retained ones).
+    /// Chunk fingerprints of retained backups (those of asleep allocations are the store's, verify.rs, until the
+    /// wake that binds them).
     prints: HashMap<DevPtr, Prints>,
     /// Asleep allocations whose sleep took no prints because wakes did not retain then (not because prints
     /// failed): a wake that retains binds their backup all the same (see `bind_restored`).
@@ -104,8 +107,10 @@ impl Retention {
 
 /// The fingerprint part of one sleep, in three steps: `begin_sleep_prints` (queue), `issue_changed_chunks`
 /// (compare, queue the copies of changed chunks), then the engine releases each retained allocation as
-/// `next_changed` reports its copies done, and `keep_sleep_prints` keeps the new prints.
+/// `next_changed` reports its copies done, and `keep_sleep_prints` keeps the new prints. Dropped before the end
+/// (a sleep unwinding from a panic), it still waits for every marker it recorded and forgets its batches.
 pub struct SleepPrints {
+    driver: Arc<dyn Driver>,
     /// Whether wakes retained when this sleep began (else it takes no prints).
     retaining: bool,
     batches: Batches,
@@ -136,6 +141,24 @@ fn wait_marker_or_stream(driver: &dyn Driver, device: i32, marker: Option<u64>) 
     match marker {
         Some(m) => driver.wait_marker(device, m),
         None => driver.wait(device),
+    }
+}
+
+impl Drop for SleepPrints {
+    fn drop(&mut self) {
+        // Nothing left in the usual order: `read_sleep_prints` took the markers and batches, the engine drained
+        // `queued`. After a panic, no marker may stay unwaited, nor a batch block the device's next one.
+        for (dev, m) in std::mem::take(&mut self.markers) {
+            let _ = wait_marker_or_stream(&*self.driver, dev, m);
+        }
+        for (_, _, point) in std::mem::take(&mut self.queued) {
+            if let Some((dev, m)) = point {
+                let _ = wait_marker_or_stream(&*self.driver, dev, m);
+            }
+        }
+        for (dev, _) in std::mem::take(&mut self.batches) {
+            let _ = self.driver.take_fingerprints(dev);
+        }
     }
 }
 
@@ -222,9 +245,13 @@ impl BackupStore {
         self.retention.drop(addrs);
     }
 
-    /// Forget every print and retained backup; arenas nothing points into go back to the host pool.
+    /// Forget every print and retained backup; arenas nothing points into go back to the host pool. The prints of
+    /// asleep backups stay for their wake's verification, but no wake binds a backup with them any more.
     pub fn drop_all_retained(&mut self, log: &mut ErrorLog) {
         self.retention.clear();
+        for p in self.verify.asleep.values_mut() {
+            p.retainable = false;
+        }
         self.collect_unused(log);
     }
 
@@ -247,20 +274,36 @@ impl BackupStore {
     // ----- wake --------------------------------------------------------------------------------------------
 
     /// Wake succeeded: bind each restored allocation's backup to it while wakes retain (with the prints that
-    /// describe it, when its sleep took them); otherwise forget the prints. `restored` are the backups the wake restored from (taken with `take`).
+    /// describe it, when its sleep took them); otherwise forget the prints. `restored` are the backups the wake
+    /// restored from (taken with `take`). A backup a wake found wrong before (verify.rs) is never bound: the next
+    /// sleep writes it whole.
     pub fn bind_restored(&mut self, restored: Vec<(DevPtr, Backup)>) {
         let keep = self.retaining();
-        let r = &mut self.retention;
+        let chunk = self.retention.chunk;
         for (addr, backup) in restored {
+            let printed = (self.verify.asleep.remove(&addr))
+                .filter(|p| p.retainable && p.chunk == chunk)
+                .map(|p| p.prints);
+            let suspect = self.verify.take_suspect(addr);
+            let r = &mut self.retention;
             // A file backup too: it keeps its disk blocks, and the next sleep rewrites its changed chunks only.
             // Without prints because its sleep did not retain (torch_memory_saver's retain_cpu_backup set while
             // paused) it is bound too, at the same host bytes: its next sleep counts every chunk as changed and
             // copies it whole there. Prints that failed bind nothing (see the module comment).
             let unprinted = r.unprinted.remove(&addr);
-            if keep && (unprinted || r.prints.contains_key(&addr)) {
-                r.retained.insert(addr, backup);
-            } else {
-                r.prints.remove(&addr);
+            r.prints.remove(&addr);
+            if !keep || suspect {
+                continue;
+            }
+            match printed {
+                Some(prints) => {
+                    r.prints.insert(addr, prints);
+                    r.retained.insert(addr, backup);
+                }
+                None if unprinted => {
+                    r.retained.insert(addr, backup);
+                }
+                None => {}
             }
         }
     }
@@ -319,7 +362,9 @@ impl BackupStore {
     }
 
     /// Sleep, first on the copy streams: queue the prints of every offloaded allocation (`retained` and
-    /// `fresh`), one batch and a marker per device. Nothing is queued when retention is off.
+    /// `fresh`), one batch and a marker per device: for the retained ones' changed chunks, for the next sleep to
+    /// skip, and for the wake's verification (verify.rs). Nothing is queued when neither retention nor
+    /// verification is on, or when the kernel cannot run here.
     pub fn begin_sleep_prints(
         &mut self,
         reg: &Registry,
@@ -329,6 +374,7 @@ impl BackupStore {
     ) -> SleepPrints {
         let started = Instant::now();
         let mut sp = SleepPrints {
+            driver: self.driver.clone(),
             retaining: self.retaining(),
             batches: Batches::new(),
             markers: Vec::new(),
@@ -343,7 +389,7 @@ impl BackupStore {
             copied_bytes: 0,
             seconds: 0.0,
         };
-        if !sp.retaining {
+        if !(sp.retaining || self.verify.on) || self.retention.unavailable {
             return sp;
         }
         let chunk = self.retention.chunk;
@@ -500,18 +546,26 @@ impl BackupStore {
 
     /// Sleep, last step (every retained allocation released or left awake): the retained backups of this sleep's
     /// allocations are gone (released ones are asleep with them now; the others stay awake without one), and
-    /// every allocation now asleep with a backup keeps the prints taken now.
-    pub fn keep_sleep_prints(&mut self, sp: SleepPrints) {
+    /// every allocation now asleep with a backup keeps the prints taken now (verify.rs holds them until its wake).
+    pub fn keep_sleep_prints(&mut self, mut sp: SleepPrints) {
         self.retention.drop(&sp.backed);
         self.views.slept(&sp.backed);
-        let mut now = sp.now;
+        let mut now = std::mem::take(&mut sp.now);
         if !sp.retaining {
             let asleep = sp.backed.iter().filter(|a| self.asleep.contains_key(a));
             self.retention.unprinted.extend(asleep);
         }
-        for addr in sp.backed {
+        let chunk = self.retention.chunk;
+        for addr in std::mem::take(&mut sp.backed) {
             if let (true, Some(prints)) = (self.asleep.contains_key(&addr), now.remove(&addr)) {
-                self.retention.prints.insert(addr, prints);
+                // Taken only for the wake's verification (wakes did not retain): no wake binds with them, as
+                // before verification took them (see `unprinted`).
+                let printed = super::verify::SleepPrinted {
+                    chunk,
+                    prints,
+                    retainable: sp.retaining,
+                };
+                self.verify.asleep.insert(addr, printed);
             }
         }
     }

@@ -187,10 +187,16 @@ impl<D: Driver> Driver for FaultInjector<D> {
         unsafe { self.inner.copy_d2h(device, dst, src, size) }
     }
 
+    /// `Op::CorruptCopyH2D` lets the copy succeed and then flips its first byte on the device (as a host copy
+    /// damaged where it lay would restore it), so that tests reach the wake's verification of raw backups.
     unsafe fn copy_h2d(&self, device: i32, dst: DevPtr, src: HostPtr, size: usize) -> Result<()> {
         self.enter(Op::CopyH2D)?;
         // SAFETY: forwarded under the caller's contract of this unsafe fn.
-        unsafe { self.inner.copy_h2d(device, dst, src, size) }
+        unsafe { self.inner.copy_h2d(device, dst, src, size)? };
+        if size > 0 && self.enter(Op::CorruptCopyH2D).is_err() {
+            flip_first_byte(&self.inner, device, dst)?;
+        }
+        Ok(())
     }
 
     fn memset_zero(&self, device: i32, addr: DevPtr, size: usize) -> Result<()> {
@@ -322,12 +328,17 @@ impl<D: Driver> DeviceCodec for FaultInjector<D> {
         codec.decompress_from_host(device, items, ready)?;
         if self.enter(Op::CorruptDecompress).is_err() {
             if let Some(first) = items.first().filter(|it| it.raw_len > 0) {
-                let mut byte = [0u8];
-                copy_to_slice(&self.inner, device, first.dst, &mut byte)?;
-                byte[0] ^= 0x5A;
-                copy_from_slice(&self.inner, device, first.dst, &byte)?;
+                flip_first_byte(&self.inner, device, first.dst)?;
             }
         }
         Ok(())
     }
+}
+
+/// Change the byte at `addr` on `device` (a corrupting fault), waiting for the copies that do it.
+fn flip_first_byte(driver: &dyn Driver, device: i32, addr: DevPtr) -> Result<()> {
+    let mut byte = [0u8];
+    copy_to_slice(driver, device, addr, &mut byte)?;
+    byte[0] ^= 0x5A;
+    copy_from_slice(driver, device, addr, &byte)
 }

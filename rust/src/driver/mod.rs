@@ -107,10 +107,13 @@ pub enum Op {
     CompressBlob,
     Decompress,
     CorruptDecompress,
+    /// A host -> device copy that succeeds with wrong bytes (fault injection only, like `CorruptDecompress`: a
+    /// backup damaged where it lay, which the wake's verification must catch).
+    CorruptCopyH2D,
 }
 
 impl Op {
-    pub const ALL: [Op; 22] = [
+    pub const ALL: [Op; 23] = [
         Op::Reserve,
         Op::FreeRange,
         Op::Create,
@@ -133,6 +136,7 @@ impl Op {
         Op::CompressBlob,
         Op::Decompress,
         Op::CorruptDecompress,
+        Op::CorruptCopyH2D,
     ];
 
     pub fn name(self) -> &'static str {
@@ -159,13 +163,14 @@ impl Op {
             Op::CompressBlob => "compress_blob",
             Op::Decompress => "decompress",
             Op::CorruptDecompress => "decompress_corrupt",
+            Op::CorruptCopyH2D => "copy_h2d_corrupt",
         }
     }
 
-    /// Whether an injected fault makes the call fail (all but `CorruptDecompress`, which lets its call succeed
-    /// with wrong bytes: what the wake's verification must catch, not an error of the driver's).
+    /// Whether an injected fault makes the call fail (all but `CorruptDecompress` and `CorruptCopyH2D`, which let
+    /// their call succeed with wrong bytes: what the wake's verification must catch, not an error of the driver's).
     pub fn fails_its_call(self) -> bool {
-        self != Op::CorruptDecompress
+        !matches!(self, Op::CorruptDecompress | Op::CorruptCopyH2D)
     }
 
     pub fn parse(name: &str) -> Option<Op> {

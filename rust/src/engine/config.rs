@@ -18,6 +18,9 @@ pub const WAKE_GROUP_ENV: &str = "CUMEM_RS_WAKE_GROUP_BYTES";
 /// `CUMEM_RS_COMPRESS`: a switch, default on where the driver has a codec; the CUDA driver reads it through the
 /// same parser (`crate::env::compress_from`).
 pub use crate::env::COMPRESS as COMPRESS_ENV;
+/// `CUMEM_RS_VERIFY_WAKE`: a switch, default on: every wake compares what it restored with the fingerprints its
+/// sleep took (`crate::backups` verify.rs).
+pub use crate::env::VERIFY_WAKE as VERIFY_WAKE_ENV;
 /// `CUMEM_RS_HOST_MEMORY_LIMIT`: a cap on the host memory backups may take (see `crate::host_guard`).
 pub use crate::host_guard::LIMIT_ENV as HOST_MEMORY_LIMIT_ENV;
 
@@ -39,6 +42,8 @@ pub struct EngineConfig {
     pub spill_dir: Option<std::path::PathBuf>,
     /// Compress host backups where the driver has a codec (`CUMEM_RS_COMPRESS=0`: off).
     pub compress: bool,
+    /// Verify every wake against the sleep's fingerprints (`CUMEM_RS_VERIFY_WAKE=0`: off).
+    pub verify_wake: bool,
 }
 
 impl Default for EngineConfig {
@@ -52,6 +57,7 @@ impl Default for EngineConfig {
             host_budget: None,
             spill_dir: None,
             compress: true,
+            verify_wake: true,
         }
     }
 }
@@ -90,6 +96,7 @@ impl EngineConfig {
             }
         }
         c.compress = env::compress_from(&var);
+        c.verify_wake = env::flag_from(&var, VERIFY_WAKE_ENV, c.verify_wake);
         c.spill_dir = var(SPILL_DIR_ENV).filter(|v| !v.is_empty()).map(Into::into);
         c
     }
@@ -103,6 +110,7 @@ impl EngineConfig {
             host_budget: self.host_budget,
             spill_dir: self.spill_dir.clone(),
             compress: self.compress,
+            verify_wake: self.verify_wake,
         }
     }
 }
@@ -148,6 +156,9 @@ mod tests {
         assert!(with(&[]).compress);
         assert!(!with(&[(COMPRESS_ENV, "0")]).compress);
         assert!(with(&[(COMPRESS_ENV, "1")]).compress);
+        assert!(with(&[]).verify_wake);
+        assert!(!with(&[(VERIFY_WAKE_ENV, "0")]).verify_wake);
+        assert!(with(&[(VERIFY_WAKE_ENV, "1")]).verify_wake);
     }
 
     /// The engine's switches take the spellings of every switch (`crate::env::parse_flag`): `off` is off, as
@@ -171,11 +182,17 @@ mod tests {
                 on,
                 "{RETAIN_ENV}={text}"
             );
+            assert_eq!(
+                with(&[(VERIFY_WAKE_ENV, text)]).verify_wake,
+                on,
+                "{VERIFY_WAKE_ENV}={text}"
+            );
         }
         // Unset, empty or unreadable: the default (on), as before.
         for text in ["", "maybe"] {
             assert!(with(&[(COMPRESS_ENV, text)]).compress);
             assert!(with(&[(RETAIN_ENV, text)]).retain_backups);
+            assert!(with(&[(VERIFY_WAKE_ENV, text)]).verify_wake);
         }
     }
 }

@@ -119,6 +119,19 @@ impl Engine {
         Ok(self.lock_open()?.backups.retaining())
     }
 
+    /// Compare what every wake restores with the fingerprints its sleep took, at every tier (on by default;
+    /// `CUMEM_RS_VERIFY_WAKE=0` starts it off). Sleeps take those prints while it is on (or while backups are
+    /// retained): a backup made by a sleep that took none is restored unverified.
+    pub fn set_verify_wakes(&self, on: bool) -> Result<()> {
+        self.lock_open()?.backups.set_verify_wakes(on);
+        Ok(())
+    }
+
+    /// Whether wakes verify what they restore (`set_verify_wakes`).
+    pub fn verifies_wakes(&self) -> Result<bool> {
+        Ok(self.lock_open()?.backups.verifies_wakes())
+    }
+
     /// Bytes per fingerprinted chunk: a positive multiple of 16. A change drops every retained backup.
     pub fn set_fingerprint_chunk(&self, bytes: usize) -> Result<()> {
         if bytes == 0 || !bytes.is_multiple_of(fingerprint::WORD) || bytes > 1 << 40 {

@@ -39,6 +39,9 @@ pub struct Report {
     /// blobs take (`stored_bytes / raw_bytes` is the ratio). Raw backups count in neither.
     pub raw_bytes: usize,
     pub stored_bytes: usize,
+    /// Wake: bytes restored and found equal to the fingerprints their sleep took (every tier; 0 with
+    /// `CUMEM_RS_VERIFY_WAKE=0`, and not counting backups without prints or written through a view).
+    pub verified_bytes: usize,
     pub seconds: f64,
 }
 

@@ -5,7 +5,7 @@ use std::time::Instant;
 
 use super::group::{map_run_in, Mapped};
 use super::{tag_set, Engine, Inner, Report};
-use crate::backups::Backup;
+use crate::backups::{Backup, WakeCheck};
 use crate::driver::DevPtr;
 use crate::error::Result;
 use crate::timing::Phases;
@@ -38,11 +38,12 @@ impl Engine {
         };
         let mut mapped: Vec<Mapped> = Vec::new();
         let mut phases = Phases::new("engine wake");
+        let mut check = WakeCheck::default();
         let result = self.map_and_restore(
             inner,
             &targets,
             backed,
-            &mut mapped,
+            (&mut mapped, &mut check),
             &mut report,
             &mut phases,
         );
@@ -50,6 +51,11 @@ impl Engine {
         let t = Instant::now();
         let result = self.wait_devices(inner, &targets, result);
         let t = phases.add("wait", t);
+        // The verification's prints are taken whatever happened, and compared after a clean restore: a mismatch
+        // fails the wake like a failed copy.
+        let verified = (inner.backups).finish_wake_check(check, &inner.reg, result.is_ok());
+        let result = result.and(verified).map(|n| report.verified_bytes = n);
+        let t = phases.add("verify", t);
         if let Err(e) = result {
             self.rollback_wake(inner, &mapped);
             return Err(e);
@@ -69,9 +75,10 @@ impl Engine {
         Self::note_peak(inner);
         report.seconds = start.elapsed().as_secs_f64();
         log::debug!(
-            "engine wake: {} allocations, {} bytes restored, {} bytes mapped without contents, {:.3} s",
+            "engine wake: {} allocations, {} bytes restored ({} verified), {} bytes mapped without contents, {:.3} s",
             report.allocations,
             report.copied_bytes,
+            report.verified_bytes,
             report.discarded_bytes,
             report.seconds
         );
@@ -80,18 +87,21 @@ impl Engine {
         Ok(report)
     }
 
-    /// Map every target and queue the copies of the backed-up ones (`targets[..backed]`) back, then the zero
-    /// fills their tag policies ask for of the others; what was mapped goes into `mapped` (for the rollback).
+    /// Map every target and queue the copies of the backed-up ones (`targets[..backed]`) back, then their
+    /// verification, then the zero fills their tag policies ask for of the others; what was mapped goes into
+    /// `mapped` (for the rollback), the verification queued into `check` (for the caller to finish after its wait,
+    /// whatever happens).
     ///
     /// Order: map each backed-up allocation and queue its copy (on several devices: map them all, then queue all
     /// the copies, one stream per device), then map the allocations without backup while those copies run, queue
-    /// the zero fills, and let the caller wait once per device.
+    /// the fingerprints of every restored chunk behind the copies (after the last map: a kernel in flight holds
+    /// up maps), the zero fills, and let the caller wait once per device.
     fn map_and_restore(
         &self,
         inner: &mut Inner,
         targets: &[DevPtr],
         backed: usize,
-        mapped: &mut Vec<Mapped>,
+        (mapped, check): (&mut Vec<Mapped>, &mut WakeCheck),
         report: &mut Report,
         phases: &mut Phases,
     ) -> Result<()> {
@@ -149,8 +159,8 @@ impl Engine {
         };
         report.read_bytes += read;
         let t = phases.add("files", t);
-        // Compressed backups: decompressed into their allocations (the deferred runs mapped just before) and
-        // verified against the sleep's fingerprints; a codec error or a mismatch fails the wake like a failed copy.
+        // Compressed backups: decompressed into their allocations (the deferred runs mapped just before); a codec
+        // error fails the wake like a failed copy.
         let run_of: HashMap<DevPtr, usize> = (deferred.iter().enumerate())
             .flat_map(|(r, run)| run.iter().map(move |a| (*a, r)))
             .collect();
@@ -189,6 +199,11 @@ impl Engine {
             mapped.push(self.map_run(inner, run)?);
         }
         let t = phases.add("map bare", t);
+        // Every restored chunk's print, queued behind the restore copies on each device's copy stream (verify.rs).
+        let (queued, result) = inner.backups.queue_wake_check(&placed, &inner.reg);
+        *check = queued;
+        result?;
+        let t = phases.add("queue verification", t);
         // Zero what its tag's policy asks for: queued on the copy stream after the restore copies and after every
         // map (a fill queued between maps would make later maps wait for it), covered by the caller's wait.
         for addr in &targets[backed..] {

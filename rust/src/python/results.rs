@@ -49,6 +49,7 @@ pub(super) fn report_dict<'py>(py: Python<'py>, r: &Report) -> PyResult<Bound<'p
         "file_gb_per_s" => file_gb_per_s,
         "raw_bytes" => r.raw_bytes,
         "stored_bytes" => r.stored_bytes,
+        "verified_bytes" => r.verified_bytes,
         "seconds" => r.seconds,
         "gb_per_s" => gb_per_s,
     }))
