@@ -72,6 +72,9 @@ def test_records_answer_only_allocation_starts(sim):
             records[key]
     with pytest.raises(TypeError):
         records[w] = records[w]  # read-only
+    for field in ("is_asleep", "cpu_backup_tensor", "tag"):
+        with pytest.raises(AttributeError, match="read-only"):
+            setattr(records[w], field, None)
 
 
 def test_walks_agree_with_the_allocation_list(sim):

@@ -24,7 +24,7 @@ An `AllocationData` is what the core said of one allocation when it was read, in
 from __future__ import annotations
 
 from collections.abc import ItemsView, Iterator, Mapping, ValuesView
-from typing import Optional
+from typing import Final, Optional
 
 import torch
 
@@ -35,7 +35,12 @@ from ._tms_backup import tensor_over
 NO_DRIVER_HANDLE = 0
 
 # Fields of a core record tuple (`Allocator.records`).
-_ADDRESS, _SIZE, _DEVICE, _TAG, _ASLEEP, _BACKED_UP = range(6)
+_ADDRESS: Final = 0
+_SIZE: Final = 1
+_DEVICE: Final = 2
+_TAG: Final = 3
+_ASLEEP: Final = 4
+_BACKED_UP: Final = 5
 
 
 class AllocationData:
@@ -43,14 +48,25 @@ class AllocationData:
 
     __slots__ = ("_native", "handle", "tag", "is_asleep", "backed_up")
 
+    _native: Allocator
+    handle: tuple[int, int, int, int]
+    tag: str
+    is_asleep: bool
+    backed_up: bool
+
     def __init__(self, native: Allocator, record: tuple) -> None:
-        self._native = native
-        self.handle: tuple[int, int, int, int] = (
-            record[_DEVICE], record[_SIZE], record[_ADDRESS], NO_DRIVER_HANDLE
+        init = object.__setattr__  # the fields are read-only (__setattr__)
+        init(self, "_native", native)
+        init(self, "handle", (record[_DEVICE], record[_SIZE], record[_ADDRESS], NO_DRIVER_HANDLE))
+        init(self, "tag", record[_TAG])
+        init(self, "is_asleep", record[_ASLEEP])
+        init(self, "backed_up", record[_BACKED_UP])
+
+    def __setattr__(self, name: str, value: object) -> None:
+        # A write here would change nothing in the allocator: say so rather than let it pass silently.
+        raise AttributeError(
+            f"AllocationData is read-only ({name!r}): cumem_rs's records change only through the allocator's calls"
         )
-        self.tag: str = record[_TAG]
-        self.is_asleep: bool = record[_ASLEEP]
-        self.backed_up: bool = record[_BACKED_UP]
 
     @property
     def cpu_backup_tensor(self) -> Optional[torch.Tensor]:
@@ -68,16 +84,22 @@ class AllocationData:
 
 
 class _Values(ValuesView):
+    def __init__(self, native: Allocator, records: "AllocationRecords") -> None:
+        super().__init__(records)
+        self._native = native
+
     def __iter__(self) -> Iterator[AllocationData]:
-        records: AllocationRecords = self._mapping  # type: ignore[assignment]
-        native = records.native
+        native = self._native
         return (AllocationData(native, r) for r in native.records())
 
 
 class _Items(ItemsView):
+    def __init__(self, native: Allocator, records: "AllocationRecords") -> None:
+        super().__init__(records)
+        self._native = native
+
     def __iter__(self) -> Iterator[tuple[int, AllocationData]]:
-        records: AllocationRecords = self._mapping  # type: ignore[assignment]
-        native = records.native
+        native = self._native
         return ((r[_ADDRESS], AllocationData(native, r)) for r in native.records())
 
 
@@ -116,10 +138,10 @@ class AllocationRecords(Mapping):
 
     # One snapshot per walk, not one lookup per key.
     def values(self) -> _Values:
-        return _Values(self)
+        return _Values(self._native, self)
 
     def items(self) -> _Items:
-        return _Items(self)
+        return _Items(self._native, self)
 
     def __repr__(self) -> str:
         return f"<cumem_rs pointer_to_data: {len(self)} allocations>"

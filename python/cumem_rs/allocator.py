@@ -199,7 +199,7 @@ class CuMemAllocator:
 
     def get_current_usage(self) -> int:
         """Bytes held by live allocations, awake or asleep (as upstream: every allocation still registered)."""
-        return sum(int(a["size"]) for a in self._native.allocations())
+        return sum(size for _, size, *_ in self._native.records())
 
     def _check_open(self) -> None:
         if self._closed:
