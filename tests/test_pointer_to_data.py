@@ -16,7 +16,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import cumem_rs  # noqa: E402
-from cumem_rs import CumemValueError  # noqa: E402
+from cumem_rs import ClosedError, CumemTypeError, CumemValueError  # noqa: E402
 from cumem_rs._records import NO_DRIVER_HANDLE, AllocationRecords  # noqa: E402
 from conftest import HAS_CUDA, SIM_GRANULARITY  # noqa: E402
 
@@ -167,6 +167,23 @@ def test_rejected_malloc_leaves_no_record(sim):
     assert len(records) == 0
     p = malloc(sim, G, "weights")
     assert list(records) == [p] and records[p].handle[1] == G
+
+
+@pytest.mark.parametrize("address,error", [("x", CumemTypeError), (1.5, CumemTypeError), (-5, CumemValueError),
+                                           (2**70, CumemValueError)])
+def test_records_refuses_bad_addresses_by_name(sim, address, error):
+    with pytest.raises(error, match="address"):
+        sim.records(address)
+    assert sim.records(0x1000) is None, "no allocation there: None, not an error"
+
+
+def test_records_of_a_closed_allocator(sim):
+    records = AllocationRecords(sim)
+    sim.close()
+    with pytest.raises(ClosedError):
+        len(records)
+    with pytest.raises(ClosedError):
+        sim.records(0x1000)
 
 
 # --- the library with the C entry points (no GPU needed to load it) ------------------------------------------------
