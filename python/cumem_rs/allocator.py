@@ -212,12 +212,18 @@ class CuMemAllocator:
         """Allocate the tensors created on this thread inside the block from cumem_rs, under `tag`.
 
         A fresh MemPool serves the block; when the block exits it is dropped, so torch releases the segments
-        left unused (freed temporaries) right away, and the others once their tensors die.
+        left unused (freed temporaries) right away, and the others once their tensors die and torch empties its
+        cache: at the next sleep, `torch.cuda.empty_cache()`, or when `tag` is entered again (as vLLM trims a
+        re-entered tag's older pools; see `_pools.EnteredPools`). Each block's pool is listed in
+        `allocator_and_pools[tag]` while torch holds memory of it.
         """
         tag = self.default_tag if tag is None else check_tag(tag)
         self._check_open()
         if tag != self._native.current_tag():
-            self._entered.enter_again(tag)
+            try:
+                self._entered.enter_again(tag)
+            except Exception as e:  # returning a dead tensor's memory early must never fail the block itself
+                logger.warning("cumem_rs: releasing unused segments of earlier %r pools failed: %s", tag, e)
         with pool_block(self._native, tag) as retire:
             retire.append(new_pool())
             self._entered.add(tag, retire[0])
