@@ -326,7 +326,8 @@ impl Allocator {
             Some(address) => {
                 let addr = address_arg(address)?;
                 let one = py.detach(|| self.engine.allocation(addr))?;
-                one.map(|a| Ok(records::record(py, &a)?.into_any())).transpose()
+                one.map(|a| Ok(records::record(py, &a)?.into_any()))
+                    .transpose()
             }
         })
     }

@@ -3,7 +3,9 @@
 
 use std::collections::BTreeMap;
 
-use super::{tag_set, AllocationInfo, BackupTier, Engine, Inner, Stats, Status, TagPolicy, TagStatus};
+use super::{
+    tag_set, AllocationInfo, BackupTier, Engine, Inner, Stats, Status, TagPolicy, TagStatus,
+};
 use crate::backups::HostView;
 use crate::driver::DevPtr;
 use crate::error::{Error, Result};
