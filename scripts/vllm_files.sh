@@ -13,8 +13,8 @@
 #   3eec60f9dbac42c63338028b32ff268e716a7624  tests/basic_correctness/test_cumem.py
 #   016993098b69fb9ce8ff941ef60aa2e9baeb11b6  tests/basic_correctness/memory/cumem/test_cumem.py
 # from raw.githubusercontent.com, or, with VLLM_GIT set, from that git directory of vllm-project/vllm (e.g. a bare
-# clone holding both commits: git --git-dir "$VLLM_GIT" show COMMIT:PATH). Not fetched: a warning, and those tests
-# skip saying why.
+# clone holding both commits: git --git-dir "$VLLM_GIT" show COMMIT:PATH). Where neither answers, the copy an earlier
+# run left in DEST/vllm_tests (same commit) is kept; without one, a warning, and those tests skip saying why.
 #
 #   scripts/vllm_files.sh [DEST [PYTHON_VERSION]]      DEST defaults to .vllm_src (ignored by git)
 #
@@ -31,6 +31,11 @@ PYTHON=${PYTHON:-python3}
 
 TMP=$(mktemp -d)
 trap 'rm -rf "$TMP"' EXIT
+# DEST is made anew below; vLLM's test files fetched by an earlier run are kept aside in case they cannot be
+# fetched now.
+if [ -d "$DEST/vllm_tests" ]; then
+  cp -r "$DEST/vllm_tests" "$TMP/vllm_tests_before"
+fi
 
 # Only its .py files are taken, so the wheel's own tags need not fit this machine (vLLM needs Python >= 3.11 and
 # glibc 2.28).
@@ -86,14 +91,15 @@ size = sum(f.stat().st_size for f in dest.rglob("*") if f.is_file())
 print(f"vllm {version}: {len(names)} files, {size / 2**20:.1f} MiB in {dest}")
 PY
 
-"$PYTHON" - "$DEST" <<'PY'
+"$PYTHON" - "$DEST" "$TMP/vllm_tests_before" <<'PY'
 import os
+import shutil
 import subprocess
 import sys
 import urllib.request
 from pathlib import Path
 
-dest = Path(sys.argv[1]) / "vllm_tests"
+dest, before = Path(sys.argv[1]) / "vllm_tests", Path(sys.argv[2])
 TESTS = {  # package name: (commit, path in vllm-project/vllm)
     "vllm_tests_3eec60f9": ("3eec60f9dbac42c63338028b32ff268e716a7624", "tests/basic_correctness/test_cumem.py"),
     "vllm_tests_016993098": (
@@ -116,7 +122,14 @@ for package, (commit, path) in TESTS.items():
     try:
         text = fetch(commit, path)
     except Exception as e:
-        print(f"warning: could not fetch vLLM's {path} at {commit[:9]} ({e}); its tests will skip", file=sys.stderr)
+        earlier = before / package
+        stamp = earlier.joinpath(*Path(path).parts[1:]).parent / "COMMIT"
+        if stamp.is_file() and stamp.read_text().strip() == commit:
+            shutil.copytree(earlier, dest / package)
+            print(f"vllm {commit[:9]}: {path} could not be fetched ({e}); kept the copy fetched before")
+        else:
+            print(f"warning: could not fetch vLLM's {path} at {commit[:9]} ({e}); its tests will skip",
+                  file=sys.stderr)
         continue
     # tests/X/.../test_cumem.py -> PACKAGE/X/.../test_cumem.py, an __init__.py in each directory.
     target = dest.joinpath(package, *Path(path).parts[1:])
