@@ -100,13 +100,13 @@ def _cuda_platform() -> None:
 def pytest_configure(config: pytest.Config) -> None:
     sys.path.append(str(VLLM_SRC / "deps"))  # after the installed packages, which win
     os.environ["CUMEM_RS_VLLM"] = "1"
+    # First: vllm.device_allocator (which the plugin's registry import brings in) binds the platform at import.
+    _cuda_platform()
     import cumem_rs.vllm_plugin
+    import vllm
     from cumem_rs.allocator import lib_name
 
     cumem_rs.vllm_plugin.register()
-    import vllm
-
-    _cuda_platform()
     import vllm.device_allocator.cumem as vllm_cumem
 
     if vllm_cumem.lib_name is None:
