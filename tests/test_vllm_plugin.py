@@ -197,6 +197,55 @@ def test_vllm_loads_the_plugin_and_resolves_the_backend() -> None:
 
 
 @needs_vllm
+def test_backend_asks_the_allocator_what_vllms_own_backend_asks() -> None:
+    """Against vLLM 0.33's `CuMemBackend`: each level backs up the same tags (runtime state and graph memory at both,
+    weights at level 1 only), resume and discard pass their tags on as they are, and every capability flag that
+    `SleepModeBackend` defines is answered by our backend itself. An allocator that records the calls stands in for
+    both backends' allocator (no GPU: the calls, not the memory, are compared here; the GPU test runs them)."""
+    _child('''
+        import vllm.device_allocator
+        from vllm.device_allocator.sleep_mode_backend import CuMemBackend, SleepModeBackend
+        from cumem_rs.vllm_backend import CumemRsBackend
+
+        class Recorder:
+            def __init__(self):
+                self.calls = []
+                self.native = SimpleNamespace(allocations=lambda: [])
+            def sleep(self, offload_tags=None):
+                self.calls.append(("sleep", frozenset(offload_tags)))
+            def wake_up(self, tags=None):
+                self.calls.append(("wake_up", tags))
+            def discard(self, tags):
+                self.calls.append(("discard", tuple(tags)))
+
+        def calls_of(backend, recorder):
+            for level in (1, 2):
+                backend.suspend(level)
+                backend.resume(["weights"])
+                backend.resume(None)
+            backend.discard(("kv_cache",))
+            return recorder.calls
+
+        theirs, ours = Recorder(), Recorder()
+        vllm.device_allocator.get_mem_allocator_instance = lambda: theirs  # CuMemBackend imports it per call
+
+        class Ours(CumemRsBackend):
+            def _allocator(self):
+                return ours
+
+        assert calls_of(CuMemBackend(), theirs) == calls_of(Ours(), ours), (theirs.calls, ours.calls)
+        assert theirs.calls[0] == ("sleep", {"weights", "runtime", "cudagraph"}), theirs.calls
+        assert theirs.calls[3] == ("sleep", {"runtime", "cudagraph"}), theirs.calls
+
+        flags = sorted(n for n, v in vars(SleepModeBackend).items() if isinstance(v, classmethod))
+        assert flags == ["is_supported", "preserves_communicators", "preserves_compiled_artifacts",
+                         "preserves_graphs_with_communicators", "supports_durable_storage"], flags
+        for name in flags:
+            assert name in vars(CumemRsBackend), f"{name} is SleepModeBackend's default, not ours"
+    ''')
+
+
+@needs_vllm
 def test_allocator_routing_follows_the_selection() -> None:
     _child('''
         import types

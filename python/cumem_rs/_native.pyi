@@ -8,7 +8,7 @@ the TypedDicts of `cumem_rs.results`. A bad argument raises `CumemValueError` (a
 
 import os
 import pathlib
-from typing import Literal, Optional, Sequence, Union, final
+from typing import Literal, Optional, Sequence, Union, final, overload
 
 from .results import (
     AllocationRecord,
@@ -246,6 +246,12 @@ class Allocator:
         """Mapped (physical) bytes held by this allocator, on one device or all."""
     def allocations(self) -> list[AllocationRecord]:
         """One dict per live allocation: address, size, requested, device, tag, asleep, backed_up."""
+    @overload
+    def records(self, address: None = None) -> list[tuple[int, int, int, str, bool, bool]]: ...
+    @overload
+    def records(self, address: int) -> Optional[tuple[int, int, int, str, bool, bool]]:
+        """`(address, size, device, tag, asleep, backed_up)` per live allocation, in address order; with
+        `address`, the one allocation that starts there, or None. What `CuMemAllocator.pointer_to_data` reads."""
     def stats(self) -> Stats:
         """Counters: live allocations, mapped/asleep/host bytes, last sleep and wake reports, error counts."""
     def host_bytes(self) -> int:

@@ -18,7 +18,8 @@ import ctypes
 import os
 import re
 import threading
-from collections.abc import Iterable, Iterator
+import weakref
+from collections.abc import Callable, Iterable, Iterator
 from typing import Optional
 
 import torch
@@ -126,6 +127,15 @@ class PoolActivity:
             if self._depth == 0:
                 self._drop_retired()
 
+    def when_idle(self, fn: Callable[[], None]) -> bool:
+        """Run `fn` now if no block is active in the process, with none able to start meanwhile; False if one is.
+        For torch calls that assert no allocation is being routed to a pool (`torch.cuda.empty_cache`)."""
+        with self._lock:
+            if self._depth:
+                return False
+            fn()
+            return True
+
     def _drop_retired(self) -> None:
         # Our references are normally the last: torch releases each pool here, returning its unused segments
         # through my_free (no Python runs in there, so holding the lock is safe).
@@ -160,7 +170,67 @@ def pool_block(native: Optional[Allocator] = None, tag: Optional[str] = None) ->
         pool_activity.exit(retire)
 
 
+# --- pools entered, per tag --------------------------------------------------------------------------------------
+
+
+def _segments(pool_id: tuple[int, int]) -> list:
+    """torch's segments of the private pool `pool_id` (none once torch has released them all)."""
+    try:
+        return torch.cuda.memory_snapshot(pool_id, include_traces=False)
+    except TypeError:  # torch < 2.9 has no include_traces
+        return torch.cuda.memory_snapshot(pool_id)
+
+
+class EnteredPools:
+    """The pools each tag's blocks were served from (vLLM's `allocator_and_pools`, by pool id), and the release of
+    what they still hold when the tag is entered again.
+
+    A pool we have dropped keeps, inside torch, the segments of tensors that were alive then; when those tensors
+    die, their segments stay cached in torch until the next `torch.cuda.empty_cache()` (a dead pool has no cache of
+    its own to trim). vLLM trims the older pools of a tag when the tag is entered again; `enter_again` does the
+    same: where a dropped pool of the tag holds an unused segment, it empties torch's cache (only while no pool
+    block is active in the process and the caller is not capturing a CUDA graph: torch asserts otherwise), which
+    returns those segments through `my_free`. Pools torch no longer holds anything of are forgotten then, so the
+    lists stay as long as the pools that still hold memory.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._pools: dict[str, list[tuple[tuple[int, int], weakref.ref]]] = {}
+
+    def add(self, tag: str, pool: torch.cuda.memory.MemPool) -> None:
+        with self._lock:
+            self._pools.setdefault(tag, []).append((pool.id, weakref.ref(pool)))
+
+    def ids(self) -> dict[str, list[tuple[int, int]]]:
+        """A copy: per tag, the ids of its pools, oldest first."""
+        with self._lock:
+            return {tag: [pool_id for pool_id, _ in entries] for tag, entries in self._pools.items() if entries}
+
+    def clear(self) -> None:
+        with self._lock:
+            self._pools.clear()
+
+    def enter_again(self, tag: str) -> None:
+        """Release the unused segments of the dropped pools of `tag`, and forget those with none left (class doc)."""
+        with self._lock:
+            dropped = [pool_id for pool_id, ref in self._pools.get(tag, ()) if ref() is None]
+        if not dropped or not torch.cuda.is_initialized() or torch.cuda.is_current_stream_capturing():
+            return
+        segments = {pool_id: _segments(pool_id) for pool_id in dropped}
+        if any(s["allocated_size"] == 0 for held in segments.values() for s in held):
+            if pool_activity.when_idle(torch.cuda.empty_cache):
+                segments = {pool_id: _segments(pool_id) for pool_id in dropped}
+        empty = {pool_id for pool_id, held in segments.items() if not held}
+        with self._lock:
+            self._pools[tag] = [e for e in self._pools.get(tag, ()) if e[0] not in empty]
+
+
 # --- the pluggable allocator ----------------------------------------------------------------------------------------
+
+#: The path of the shared library that exports `my_malloc` / `my_free` (vLLM's `cumem.lib_name`): what
+#: `CUDAPluggableAllocator` loads, and what code reaching the C entry points through ctypes opens.
+LIB_NAME: str = _native.__file__
 
 _PLUGGABLE: Optional[torch.cuda.memory.CUDAPluggableAllocator] = None
 _PLUGGABLE_LOCK = threading.Lock()
@@ -171,7 +241,7 @@ def pluggable() -> torch.cuda.memory.CUDAPluggableAllocator:
     global _PLUGGABLE
     with _PLUGGABLE_LOCK:
         if _PLUGGABLE is None:
-            allocator = torch.cuda.memory.CUDAPluggableAllocator(_native.__file__, "my_malloc", "my_free")
+            allocator = torch.cuda.memory.CUDAPluggableAllocator(LIB_NAME, "my_malloc", "my_free")
             # Deliberate leak: torch's private pools keep a raw pointer to this C++ allocator and call it when they
             # release segments, possibly during interpreter shutdown after module globals are cleared. One extra
             # reference keeps it alive until the process ends (vLLM hit "pure virtual method called" there).

@@ -2,8 +2,9 @@
 
 Same public API and semantics as vLLM's `vllm/device_allocator/cumem.py` (`get_instance`, `default_tag`,
 `use_memory_pool`, `sleep`, `wake_up`, `get_current_usage`, `discard`; the `MemAllocator` protocol of
-`vllm/device_allocator/__init__.py`), plus `cudagraph_pool` (alias `use_cudagraph_pool`), `release_pools`,
-`close`, and per-tag `set_tag_policy`, `pause`, `resume` and `status`. The memory itself is managed by the Rust
+`vllm/device_allocator/__init__.py`; vLLM's records `pointer_to_data`, `allocator_and_pools`, `current_tag`, and the
+module's `lib_name`), plus `cudagraph_pool` (alias `use_cudagraph_pool`), `release_pools`, `close`, and per-tag
+`set_tag_policy`, `pause`, `resume` and `status`. The memory itself is managed by the Rust
 core (`cumem_rs.Allocator.cuda()`); this module only routes torch allocations to it and works around torch's
 MemPool caveats:
 
@@ -37,7 +38,8 @@ import torch
 
 from . import _native
 from ._native import Allocator, ClosedError, CumemError, CumemTypeError, CumemValueError
-from ._pools import check_tag, new_pool, pluggable, pool_activity, pool_block, tag_tuple
+from ._pools import LIB_NAME, EnteredPools, check_tag, new_pool, pluggable, pool_activity, pool_block, tag_tuple
+from ._records import AllocationRecords
 from .logs import forward_native_logs
 from .results import BackupTier, Compress, Report, Stats, Status, WakeFill
 
@@ -50,6 +52,9 @@ DEFERRABLE_TAGS = frozenset({"weights", "kv_cache"})
 CUDAGRAPH_TAG = "cudagraph"
 
 _MIN_TORCH = (2, 8)
+
+#: The path of the library that exports `my_malloc` / `my_free` (what vLLM's `cumem.lib_name` names for its own).
+lib_name: str = LIB_NAME
 
 #: What `sleep` collects first, so that segments of tensors that died in reference cycles are freed rather than
 #: copied: "full" (`gc.collect()`, what vLLM's allocator does: 68 ms in the benchmark process, more in a server
@@ -130,6 +135,8 @@ class CuMemAllocator:
         self._lock = threading.Lock()
         # Pools handed out by cudagraph_pool, per (tag, device): reused by later captures, dropped by release_pools.
         self._graph_pools: dict[tuple[str, int], torch.cuda.memory.MemPool] = {}
+        self._entered = EnteredPools()
+        self._records = AllocationRecords(self._native)
         self._closed = False
         self._sleep_gc = _DEFAULT_SLEEP_GC
         self.sleep_gc = os.environ.get("CUMEM_RS_SLEEP_GC", _DEFAULT_SLEEP_GC)
@@ -161,6 +168,20 @@ class CuMemAllocator:
         return self._native
 
     @property
+    def pointer_to_data(self) -> AllocationRecords:
+        """vLLM's records: a read-only live mapping, pointer of each live allocation -> `AllocationData` with
+        `handle` `(device, size, pointer, 0)`, `tag`, `is_asleep`, `cpu_backup_tensor` (see `cumem_rs._records`).
+        Every access asks the core allocator, so it never goes stale; a walk takes one snapshot."""
+        return self._records
+
+    @property
+    def allocator_and_pools(self) -> dict[str, list[tuple[int, int]]]:
+        """Per tag, the ids of the torch pools its `use_memory_pool` blocks and `cudagraph_pool` were served from,
+        oldest first, while torch still holds memory of them (a copy; vLLM keeps (MemPool, allocator) pairs here,
+        cumem_rs drops its pools when their block ends). Emptied by `release_pools`."""
+        return self._entered.ids()
+
+    @property
     def current_tag(self) -> str:
         """Innermost tag of the calling thread ("default" outside any pool)."""
         return self._native.current_tag()
@@ -178,7 +199,7 @@ class CuMemAllocator:
 
     def get_current_usage(self) -> int:
         """Bytes held by live allocations, awake or asleep (as upstream: every allocation still registered)."""
-        return sum(int(a["size"]) for a in self._native.allocations())
+        return sum(size for _, size, *_ in self._native.records())
 
     def _check_open(self) -> None:
         if self._closed:
@@ -191,12 +212,21 @@ class CuMemAllocator:
         """Allocate the tensors created on this thread inside the block from cumem_rs, under `tag`.
 
         A fresh MemPool serves the block; when the block exits it is dropped, so torch releases the segments
-        left unused (freed temporaries) right away, and the others once their tensors die.
+        left unused (freed temporaries) right away, and the others once their tensors die and torch empties its
+        cache: at the next sleep, `torch.cuda.empty_cache()`, or when `tag` is entered again (as vLLM trims a
+        re-entered tag's older pools; see `_pools.EnteredPools`). Each block's pool is listed in
+        `allocator_and_pools[tag]` while torch holds memory of it.
         """
         tag = self.default_tag if tag is None else check_tag(tag)
         self._check_open()
+        if tag != self._native.current_tag():
+            try:
+                self._entered.enter_again(tag)
+            except Exception as e:  # returning a dead tensor's memory early must never fail the block itself
+                logger.warning("cumem_rs: releasing unused segments of earlier %r pools failed: %s", tag, e)
         with pool_block(self._native, tag) as retire:
             retire.append(new_pool())
+            self._entered.add(tag, retire[0])
             with torch.cuda.memory.use_mem_pool(retire[0]):
                 yield
         if self.pin_ahead and tag in self.pin_ahead_tags:
@@ -227,6 +257,7 @@ class CuMemAllocator:
             pool = self._graph_pools.get(key)
             if pool is None:
                 pool = self._graph_pools[key] = new_pool()
+                self._entered.add(tag, pool)
         pool_id = pool.id
         del pool
         with pool_block(self._native, tag):
@@ -241,6 +272,7 @@ class CuMemAllocator:
         with self._lock:
             pools = list(self._graph_pools.values())
             self._graph_pools.clear()
+        self._entered.clear()
         pool_activity.retire(pools)
         if torch.cuda.is_initialized():
             torch.cuda.empty_cache()
@@ -463,4 +495,4 @@ def _summary(status: Status) -> str:
     )
 
 
-__all__ = ["CUDAGRAPH_TAG", "DEFERRABLE_TAGS", "CuMemAllocator"]
+__all__ = ["CUDAGRAPH_TAG", "DEFERRABLE_TAGS", "CuMemAllocator", "lib_name"]

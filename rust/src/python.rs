@@ -22,6 +22,7 @@ mod functions;
 mod host_bytes;
 mod nvcomp;
 mod preload;
+mod records;
 mod results;
 
 use convert::{
@@ -307,6 +308,28 @@ impl Allocator {
 
     fn allocations<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
         guard(|| allocations_list(py, &py.detach(|| self.engine.allocations())?))
+    }
+
+    /// `(address, size, device, tag, asleep, backed_up)` per live allocation, in address order; with `address`,
+    /// the one allocation that starts there, or None. Read under the allocator's lock without the GIL.
+    #[pyo3(signature = (address = None))]
+    fn records<'py>(
+        &self,
+        py: Python<'py>,
+        address: Option<&Bound<'py, PyAny>>,
+    ) -> PyResult<Option<Bound<'py, PyAny>>> {
+        guard(|| match address {
+            None => {
+                let all = py.detach(|| self.engine.allocations())?;
+                Ok(Some(records::records_list(py, &all)?.into_any()))
+            }
+            Some(address) => {
+                let addr = address_arg(address)?;
+                let one = py.detach(|| self.engine.allocation(addr))?;
+                one.map(|a| Ok(records::record(py, &a)?.into_any()))
+                    .transpose()
+            }
+        })
     }
 
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {

@@ -3,11 +3,27 @@
 
 use std::collections::BTreeMap;
 
-use super::{tag_set, AllocationInfo, BackupTier, Engine, Stats, Status, TagPolicy, TagStatus};
+use super::{
+    tag_set, AllocationInfo, BackupTier, Engine, Inner, Stats, Status, TagPolicy, TagStatus,
+};
 use crate::backups::HostView;
 use crate::driver::DevPtr;
 use crate::error::{Error, Result};
-use crate::registry::State;
+use crate::registry::{Allocation, State};
+
+impl Inner {
+    fn info_of(&self, a: &Allocation) -> AllocationInfo {
+        AllocationInfo {
+            addr: a.addr,
+            size: a.size,
+            requested: a.requested,
+            device: a.device,
+            tag: a.tag.to_string(),
+            asleep: !a.is_awake(),
+            backed_up: self.backups.backup_of(a.addr).is_some(),
+        }
+    }
+}
 
 impl Engine {
     pub fn usage(&self, device: Option<i32>) -> Result<usize> {
@@ -16,19 +32,13 @@ impl Engine {
 
     pub fn allocations(&self) -> Result<Vec<AllocationInfo>> {
         let inner = self.lock_open()?;
-        Ok(inner
-            .reg
-            .iter()
-            .map(|a| AllocationInfo {
-                addr: a.addr,
-                size: a.size,
-                requested: a.requested,
-                device: a.device,
-                tag: a.tag.to_string(),
-                asleep: !a.is_awake(),
-                backed_up: inner.backups.backup_of(a.addr).is_some(),
-            })
-            .collect())
+        Ok(inner.reg.iter().map(|a| inner.info_of(a)).collect())
+    }
+
+    /// The live allocation that starts at `addr`, if any (one lookup, not a scan: `pointer_to_data[ptr]`).
+    pub fn allocation(&self, addr: DevPtr) -> Result<Option<AllocationInfo>> {
+        let inner = self.lock_open()?;
+        Ok(inner.reg.get(addr).map(|a| inner.info_of(a)))
     }
 
     /// Counters and sizes; answers on a closed or poisoned engine too (diagnostics).
