@@ -579,10 +579,9 @@ def _spilling_machine(backend: str) -> type:
 
 def _faulty_spilling_machine() -> type:
     from hypothesis import strategies as st
-    from hypothesis.stateful import precondition, rule
+    from hypothesis.stateful import rule
 
     from test_faults import FaultyMachine
-    from test_state_machine import TAGS, tag_sets
 
     class FaultySpillingMachine(Spilling, FaultyMachine):
         """The fault-injecting machine of test_faults.py (driver faults) on the file tier, plus a rule that makes
@@ -590,29 +589,39 @@ def _faulty_spilling_machine() -> type:
         call must leave what `_reconcile` allows (a wake changes nothing, a sleep only puts allocations to sleep
         with a complete backup), and everything still wakes with its data at teardown."""
 
-        spill_armed = False
+        spill_armed = ""  # the spill op armed ("write" or "read"), while its sleep or wake runs
 
         # One fault at a time, as in FaultyMachine: a driver fault armed beside it could fire in the rollback
-        # (a refused unmap stays queued, mapped), which the model's invariants do not follow.
-        @precondition(lambda self: self.armed is None)
+        # (a refused unmap stays queued, mapped), which the model's invariants do not follow; one armed before
+        # and not reached yet is cleared first.
         @rule(
+            data=st.data(),
             op=st.sampled_from(["write", "read"]),
             nth=st.integers(1, 4),
             error=st.sampled_from(["short", "enospc", "eio"]),
-            tags=st.one_of(st.none(), st.sampled_from(TAGS), tag_sets),
         )
-        def spill_fault_step(self, op, nth, error, tags):
+        def spill_fault_step(self, data, op, nth, error):
+            """Everything awake with a byte changed, then a spill write failing in a sleep, or a clean sleep and
+            a spill read failing in the wake of everything: both find files to write or read."""
+            self._settle()
+            self._wake_and_touch(data)
+            tags = self._draw_offload(data)
+            if op == "read":
+                self.sleep(tags)
+                tags = None
             self.a.inject_spill_fault(op, nth, error)
-            self.spill_armed = True
+            self.spill_armed = op
+            self.tally.armed[f"spill {op}"] += 1
             try:
                 (self.sleep if op == "write" else self.wake_up)(tags)
             finally:
-                self.spill_armed = False
+                self.spill_armed = ""
                 self.a.clear_spill_faults()
 
         def _faulted(self, what: str, err: Exception) -> bool:
             if self.spill_armed and "spill file" in str(err):
-                self.spill_armed = False
+                self.tally.fired[(f"spill {self.spill_armed}", what, "raised")] += 1
+                self.spill_armed = ""
                 self._reconcile(what)
                 return True
             return super()._faulted(what, err)
@@ -629,11 +638,16 @@ def test_state_machine_with_a_small_budget_and_a_spill_dir(backend):
 
 @pytest.mark.usefixtures("raw_backups")
 def test_faulty_state_machine_with_a_small_budget_and_a_spill_dir():
-    run_state_machine_as_test(_faulty_spilling_machine(), settings=settings(STATEFUL_SETTINGS, max_examples=100))
+    from test_faults import run_faulty
+
+    run_faulty(_faulty_spilling_machine(), "FaultySpillingMachine (raw)", settings(STATEFUL_SETTINGS, max_examples=100))
 
 
 def test_faulty_state_machine_with_a_small_budget_a_spill_dir_and_compression():
-    run_state_machine_as_test(_faulty_spilling_machine(), settings=settings(STATEFUL_SETTINGS, max_examples=100))
+    from test_faults import run_faulty
+
+    run_faulty(_faulty_spilling_machine(), "FaultySpillingMachine (compressed)",
+               settings(STATEFUL_SETTINGS, max_examples=100))
 
 
 def test_with_a_spill_dir_a_sleep_past_what_the_host_can_pin_spills_instead_of_being_refused(tmp_path):

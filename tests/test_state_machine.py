@@ -79,6 +79,8 @@ class AllocatorMachine(RuleBasedStateMachine):
         self.gran = [self.a.granularity(d) for d in range(self.ndev)]
         self.capacity = [self.a.mem_info(d)[1] for d in range(self.ndev)]
         self.model: dict[int, Rec] = {}
+        # Addresses the sleep or pause under way must back up (for `_faulted`: what a failed one may leave).
+        self.backing: set[int] = set()
         self.tag_stack: list[str] = []
         # Several fingerprint chunks per allocation, so that writes to part of one skip the rest.
         self.a.set_fingerprint_chunk(self.gran[0] // 4)
@@ -315,12 +317,15 @@ class AllocatorMachine(RuleBasedStateMachine):
         # list is a set of tags.
         awake = [r for r in self.model.values() if not r.asleep]
         if offload is None:
-            report = self._call("sleep", self.a.sleep)
             backed = [r for r in awake if self._backs_up(r.tag, "sleep")]
         else:
-            report = self._call("sleep", self.a.sleep, offload)
             tags = {offload} if isinstance(offload, str) else set(offload)
             backed = [r for r in awake if r.tag in tags]
+        self.backing = {r.address for r in backed}
+        if offload is None:
+            report = self._call("sleep", self.a.sleep)
+        else:
+            report = self._call("sleep", self.a.sleep, offload)
         if report is FAULTED:
             return
         self._released(report, awake, backed)
@@ -329,10 +334,12 @@ class AllocatorMachine(RuleBasedStateMachine):
     def pause(self, tags):
         want = None if tags is None else {tags} if isinstance(tags, str) else set(tags)
         awake = [r for r in self.model.values() if not r.asleep and (want is None or r.tag in want)]
+        backed = [r for r in awake if self._backs_up(r.tag, "pause")]
+        self.backing = {r.address for r in backed}
         report = self._call("pause", self.a.pause, tags)
         if report is FAULTED:
             return
-        self._released(report, awake, [r for r in awake if self._backs_up(r.tag, "pause")])
+        self._released(report, awake, backed)
 
     @rule(tag=st.sampled_from(TAGS), backup=st.sampled_from([None, True, False]),
           wake_fill=st.sampled_from(["undefined", "zero"]))
