@@ -52,6 +52,7 @@ class Rec:
     retained: bool = False  # awake with the backup its wake restored from still bound to it
     dirty: bool = False  # written since that wake (a retained backup must copy at least those chunks again)
     packed: bool = False  # its last backup was made compressed (its tag's policy compressed then)
+    surely_packed: bool = False  # ... and no codec can have stored it raw (see CompressingMachine._released)
 
     def __post_init__(self) -> None:
         if self.data is None:
@@ -571,14 +572,28 @@ class CompressingMachine(AllocatorMachine):
         return not r.packed or self._compressing(r.tag)
 
     def _released(self, report, awake, backed) -> None:
+        fresh = {id(r): not r.retained for r in backed}  # before the base clears `retained`
         super()._released(report, awake, backed)
         for r in backed:
             r.packed = self._compressing(r.tag)
+            # A fresh backup (no retained one reused, which may be raw) of a tag that compresses, whose last quarter
+            # or more is never written (poison, or zeros after a zero-filled wake): its chunks there always shrink,
+            # so it is never stored all raw nor skipped as incompressible later.
+            r.surely_packed = r.packed and fresh[id(r)] and (r.size - r.requested) * 4 >= r.size
 
     @invariant()
     def compressed_bytes_add_up(self):
+        """The host tier's bytes against the model: every backup asleep is there at its size; the compressed ones
+        at most those of tags that compressed at their sleep (an "off" tag's data stored compressed fails), at
+        least those that surely shrank (a codec that silently stores everything raw fails)."""
         s = self.a.stats()
-        assert s["compressed_raw_bytes"] <= s["host_tier_bytes"], s
+        backed = [r for r in self.model.values() if r.asleep and r.backed_up]
+        assert s["host_tier_bytes"] == sum(r.size for r in backed), s
+        packed = sum(r.size for r in backed if r.packed)
+        surely = sum(r.size for r in backed if r.surely_packed)
+        assert surely <= s["compressed_raw_bytes"] <= packed, (
+            f"compressed backups of {s['compressed_raw_bytes']} raw bytes; the model says {surely} to {packed}"
+        )
         assert s["compressed_bytes"] <= s["host_tier_stored_bytes"], s
         # Raw host backups take their raw size.
         raw_stored = s["host_tier_stored_bytes"] - s["compressed_bytes"]
