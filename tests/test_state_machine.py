@@ -564,6 +564,18 @@ class CompressingMachine(AllocatorMachine):
             p["compress"] = mode
         self.policies[tag] = p
 
+    @precondition(lambda self: self._ours())
+    @rule(mode=st.sampled_from(COMPRESS_MODES))
+    def sleep_all_in_mode(self, mode):
+        """Every tag switched to `mode`, everything woken, every tag there is offloaded: a sleep whose backups
+        are all of one mode, fresh where the mode changed from or to "off" (a retained backup of the other kind
+        is not reused), so that each mode's backups are asleep often enough for the byte counts to tell."""
+        for tag in TAGS:
+            self.set_compress(tag, mode)
+        if any(r.asleep for r in self.model.values()):
+            self.wake_up(None)
+        self.sleep(sorted({r.tag for r in self.model.values()}))
+
     def _compressing(self, tag: str) -> bool:
         return self.policies.get(tag, DEFAULT_POLICY).get("compress", "auto") != "off"
 
