@@ -10,7 +10,8 @@ Two parts:
 - `FaultyMachine`: the model-based state machine of test_state_machine.py plus rules that arm faults at random
   points. It is a separate class rather than an optional rule of the main machine, so that the main machine
   keeps its strict rule "every failure is a bug" (no fault can excuse one there), while this one accepts exactly
-  the failures an armed fault explains and checks what each left behind.
+  the failures an armed fault explains and checks what each left behind. Arming is biased toward the calls the
+  model says a sleep or a wake will make, and a tally of the faults fired per operation is printed per run.
 """
 
 from __future__ import annotations
@@ -363,6 +364,7 @@ class FaultyMachine(AllocatorMachine):
                       and self.policies.get(r.tag, DEFAULT_POLICY)["wake_fill"] == "zero"]
             ops = [("create", asleep), ("map", asleep), ("set_access", asleep), ("wait", asleep),
                    ("decompress", backed), ("copy_h2d", backed), ("fingerprint", backed), ("memset_zero", zeroed)]
+
         def calls(op: str, recs: list[Rec]) -> int:
             devices = len({r.device for r in recs})
             if op == "wait":  # the prints' wait per device, then the copies' (a raw sleep: one per cell)
