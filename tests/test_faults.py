@@ -10,12 +10,14 @@ Two parts:
 - `FaultyMachine`: the model-based state machine of test_state_machine.py plus rules that arm faults at random
   points. It is a separate class rather than an optional rule of the main machine, so that the main machine
   keeps its strict rule "every failure is a bug" (no fault can excuse one there), while this one accepts exactly
-  the failures an armed fault explains and checks what each left behind.
+  the failures an armed fault explains and checks what each left behind. Arming is biased toward the calls the
+  model says a sleep or a wake will make, and a tally of the faults fired per operation is printed per run.
 """
 
 from __future__ import annotations
 
 import os
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -26,7 +28,7 @@ from hypothesis.stateful import invariant, precondition, rule, run_state_machine
 import cumem_rs
 from cumem_rs import Allocator, CumemError, CumemOutOfMemoryError, DriverError
 from conftest import SIM_GRANULARITY, STATEFUL_SETTINGS, call_counts, live_counts, new_sim
-from test_state_machine import TAGS, AllocatorMachine, machine_for, tag_sets
+from test_state_machine import DEFAULT_POLICY, FAULTED, TAGS, AllocatorMachine, Rec, machine_for, tag_sets
 
 G = SIM_GRANULARITY
 
@@ -253,19 +255,52 @@ def test_driver_error_carries_op_and_code():
 # --- the state machine with faults ----------------------------------------------------------------------------
 
 
-# Driver operations each machine action is expected to reach; only a bias for where faults are armed (any
-# operation may be drawn too).
+# Driver operations each machine action reaches, and how often (measured on the sim). Per allocation it touches:
+# a sleep's unmap and release, a raw backup's copy and pinned cell, a compressed one's blob, a wake's create, map,
+# set access and restoring copy or zero fill; per device: synchronize, wait, fingerprint, compress, decompress.
+# Faults are armed mostly at one of these calls, right before the action runs (`FaultyMachine._reached_ops`).
+PER_ALLOCATION = {"unmap", "release", "copy_d2h", "copy_h2d", "record_marker", "host_register", "compress_blob",
+                  "create", "map", "set_access", "memset_zero"}
 ACTION_OPS = {
     "alloc": ["reserve", "create", "map", "set_access"],
     "free": ["synchronize", "unmap", "release", "free_range"],
     "write": ["synchronize", "copy_h2d", "wait"],
     "read": ["synchronize", "copy_d2h", "wait"],
-    "sleep": ["synchronize", "host_register", "copy_d2h", "wait", "unmap", "release"],
-    "wake_up": ["create", "map", "set_access", "copy_h2d", "memset_zero", "wait"],
     "discard": ["synchronize", "unmap", "release"],
-    "pause": ["synchronize", "host_register", "copy_d2h", "wait", "unmap", "release"],
-    "resume": ["create", "map", "set_access", "copy_h2d", "memset_zero", "wait"],
 }
+# How often `faulty_step` picks each action: sleeps and wakes (the transactional paths) far more than the rest.
+ACTION_WEIGHTS = {"sleep": 4, "pause": 3, "wake_up": 4, "resume": 3, "discard": 1, "alloc": 1, "free": 1,
+                  "write": 1, "read": 1}
+ACTIONS = [a for a, w in sorted(ACTION_WEIGHTS.items()) for _ in range(w)]
+# The allocator calls whose faults are the point of the biasing: a run must fire some (`run_faulty`).
+SLEEP_WAKE_CALLS = {"sleep", "pause", "wake_up", "resume"}
+
+
+class FaultTally:
+    """Faults armed and fired over one test's run (every example), per operation and per allocator call they
+    fired in, raised or absorbed: what the run really exercised, printed at its end and checked for reach."""
+
+    def __init__(self) -> None:
+        self.armed: Counter[str] = Counter()
+        self.fired: Counter[tuple[str, str, str]] = Counter()  # (op, call, "raised" | "absorbed")
+
+    def fired_in(self, calls: set[str]) -> int:
+        return sum(n for (_, call, _), n in self.fired.items() if call in calls)
+
+    def table(self, title: str) -> str:
+        ops = sorted(set(self.armed) | {op for op, _, _ in self.fired})
+        lines = [f"{title}: {sum(self.armed.values())} faults armed, {sum(self.fired.values())} fired",
+                 f"  {'op':16} {'armed':>6} {'raised':>6} {'absorbed':>8}  fired in"]
+        for op in ops:
+            raised = sum(n for (o, _, how), n in self.fired.items() if o == op and how == "raised")
+            absorbed = sum(n for (o, _, how), n in self.fired.items() if o == op and how == "absorbed")
+            where = Counter()
+            for (o, call, _), n in self.fired.items():
+                if o == op:
+                    where[call] += n
+            calls = ", ".join(f"{c} {n}" for c, n in sorted(where.items()))
+            lines.append(f"  {op:16} {self.armed[op]:6} {raised:6} {absorbed:8}  {calls}")
+        return "\n".join(lines)
 
 
 class FaultyMachine(AllocatorMachine):
@@ -274,11 +309,18 @@ class FaultyMachine(AllocatorMachine):
     backend = "sim"
     # A failed fingerprint counts its chunks as changed: fewer skips, never wrong data.
     exact_skips = False
+    #: The run's tally (a fresh one per test: see `run_faulty`).
+    tally = FaultTally()
 
     def __init__(self) -> None:
         super().__init__()
         self.armed: Optional[tuple[str, int]] = None  # (op, call count at which it fires)
         self.errors_seen = 0
+        self.last_call = ""  # the allocator call made last (where a fault that fired did)
+
+    def _call(self, what: str, fn, *args, **kw):
+        self.last_call = what
+        return super()._call(what, fn, *args, **kw)
 
     def _fired(self) -> bool:
         return self.armed is not None and call_counts(self.a)[self.armed[0]] >= self.armed[1]
@@ -286,6 +328,7 @@ class FaultyMachine(AllocatorMachine):
     def _arm(self, op: str, nth: int, error: str) -> None:
         self.armed = (op, call_counts(self.a)[op] + nth)
         self.a.inject_fault(op, nth, error)
+        self.tally.armed[op] += 1
 
     @precondition(lambda self: self.armed is None)
     @rule(op=st.sampled_from(cumem_rs.FAULT_OPS), nth=st.integers(1, 4), error=st.sampled_from(cumem_rs.FAULT_ERRORS))
@@ -293,22 +336,137 @@ class FaultyMachine(AllocatorMachine):
         """Arm a fault that fires whenever the allocator gets there (maybe never)."""
         self._arm(op, nth, error)
 
-    @precondition(lambda self: self.armed is None)
-    @rule(action=st.sampled_from(sorted(ACTION_OPS)), data=st.data())
+    def _reached_ops(self, action: str, tags) -> list[tuple[str, int]]:
+        """The operations `action` of `tags` will reach now, each with how many calls of it to expect, from the
+        model: a sleep of nothing awake or a wake of nothing asleep reaches none, a sleep without backups no print
+        or copy, one of raw backups no codec op, one of compressed backups no copy."""
+        if action in ACTION_OPS:
+            return [(op, 1) for op in ACTION_OPS[action]]  # one allocation, one call each
+        want = None if tags is None else {tags} if isinstance(tags, str) else set(tags)
+        ops: list[tuple[str, list[Rec]]] = []
+        raw: list[Rec] = []
+        if action in ("sleep", "pause"):
+            awake = [r for r in self.model.values() if not r.asleep and (action == "sleep" or want is None
+                                                                          or r.tag in want)]
+            if action == "pause" or want is None:
+                backed = [r for r in awake if self._backs_up(r.tag, action)]
+            else:
+                backed = [r for r in awake if r.tag in want]
+            packed = [r for r in backed if self._compresses(r.tag)]
+            raw = [r for r in backed if not self._compresses(r.tag)]
+            ops = [("synchronize", awake), ("unmap", awake), ("release", awake), ("fingerprint", backed),
+                   ("wait", backed), ("compress", packed), ("compress_blob", packed), ("copy_d2h", raw),
+                   ("record_marker", raw), ("host_register", raw), ("thread_spawn", raw)]
+        else:
+            asleep = [r for r in self.model.values() if r.asleep and (want is None or r.tag in want)]
+            backed = [r for r in asleep if r.backed_up]
+            zeroed = [r for r in asleep if not r.backed_up
+                      and self.policies.get(r.tag, DEFAULT_POLICY)["wake_fill"] == "zero"]
+            ops = [("create", asleep), ("map", asleep), ("set_access", asleep), ("wait", asleep),
+                   ("decompress", backed), ("copy_h2d", backed), ("fingerprint", backed), ("memset_zero", zeroed)]
+
+        def calls(op: str, recs: list[Rec]) -> int:
+            devices = len({r.device for r in recs})
+            if op == "wait":  # the prints' wait per device, then the copies' (a raw sleep: one per cell)
+                return 2 * devices + (len(raw) if action in ("sleep", "pause") else 0)
+            return len(recs) if op in PER_ALLOCATION else devices
+
+        return [(op, calls(op, recs)) for op, recs in ops if recs]
+
+    def _compresses(self, tag: str) -> bool:
+        return self.policies.get(tag, DEFAULT_POLICY).get("compress", "auto") != "off"
+
+    def _arm_for(self, action: str, data, tags=None) -> None:
+        """Arm a fault, mostly (7 in 8) at one of the calls `action` (of `tags`) will make, else anywhere."""
+        reached = self._reached_ops(action, tags)
+        if reached and data.draw(st.integers(0, 7), label="any op") > 0:
+            op, calls = data.draw(st.sampled_from(reached), label="op")
+            nth = data.draw(st.integers(1, min(calls, 6)), label="nth")
+        else:
+            op = data.draw(st.sampled_from(cumem_rs.FAULT_OPS), label="op")
+            nth = data.draw(st.integers(1, 3), label="nth")
+        self._arm(op, nth, data.draw(st.sampled_from(cumem_rs.FAULT_ERRORS), label="error"))
+
+    def _settle(self) -> None:
+        """After an action: a fault it fired was raised (and taken over) or absorbed visibly; one it did not reach
+        is cleared, so that the next is armed alone."""
+        self.fired_faults_surface()
+        if self.armed is not None:
+            self.a.clear_faults()
+            self.armed = None
+
+    @rule(action=st.sampled_from(ACTIONS), data=st.data())
     def faulty_step(self, action, data):
         """Arm a fault, mostly in an operation that `action` uses, and run that action at once: without this,
-        most armed faults would be cleared before any call reaches them."""
-        ops = ACTION_OPS[action]
-        op = data.draw(st.sampled_from(ops) | st.sampled_from(cumem_rs.FAULT_OPS), label="op")
-        nth = data.draw(st.integers(1, 3), label="nth")
-        self._arm(op, nth, data.draw(st.sampled_from(cumem_rs.FAULT_ERRORS), label="error"))
+        most armed faults would be cleared before any call reaches them. A fault `inject` armed and no call has
+        reached yet is cleared first (one at a time), so that it does not hold these steps off."""
+        self._settle()
         if action in ("sleep", "wake_up", "discard", "pause", "resume"):
             tags = data.draw(st.one_of(st.none(), st.sampled_from(TAGS), tag_sets), label="tags")
             if action == "discard" and tags is None:
                 tags = []
+            self._arm_for(action, data, tags)
             getattr(self, action)(tags)
-        elif action == "alloc" or (action == "free" and self._ours()) or self._ours(awake=True):
+            return
+        self._arm_for(action, data)
+        if action == "alloc" or (action == "free" and self._ours()) or self._ours(awake=True):
             getattr(self, action)(data)
+
+    @precondition(lambda self: self._ours())
+    @rule(data=st.data(), rounds=st.integers(1, 3), raw=st.sampled_from([None, True, False]),
+          retain=st.sampled_from([None, True, False]))
+    def faulty_cycle(self, data, rounds, raw, retain):
+        """Rounds of: everything woken (no fault), a byte of each allocation written (so that retained backups
+        have a changed chunk to copy), a sleep or pause with a fault armed in it, a wake or resume of everything
+        with another. The transactional paths with real work to do (most of the machine's other steps find
+        little awake), where a lost backup or a half-done wake would show. `raw`: first every tag backs up raw
+        (True) or compressed (False), or as it was (None); `retain`: wakes retain backups (True: sleeps copy only
+        changed chunks), not (False: every sleep backs up afresh), or as before (None)."""
+        self._settle()
+        if raw is not None:
+            for tag in TAGS:
+                self.set_raw(tag, raw)
+        if retain is not None:
+            self.a.set_retain_backups(retain)
+        for _ in range(rounds):
+            self._wake_and_touch(data)
+            pause = data.draw(st.booleans(), label="pause")
+            offload = self._draw_offload(data)
+            self._arm_for("pause" if pause else "sleep", data, offload)
+            (self.pause if pause else self.sleep)(offload)
+            self._settle()
+            if any(r.asleep for r in self.model.values()):
+                self._arm_for("resume" if pause else "wake_up", data)
+                (self.resume if pause else self.wake_up)(None)
+                self._settle()
+
+    def _wake_and_touch(self, data) -> None:
+        """Wake everything (no fault armed), then write a byte of each allocation: the next sleep has work to do,
+        retained backups included (a changed chunk to copy)."""
+        if any(r.asleep for r in self.model.values()):
+            self.wake_up(None)
+        value = data.draw(st.integers(0, 255), label="byte")
+        for rec in self._ours(awake=True):
+            off = (value * 4099) % rec.requested
+            if self._call("write", self.a.write, rec.address + off, bytes([value])) is not FAULTED:
+                rec.data[off], rec.known[off], rec.dirty = value, True, True
+
+    def _draw_offload(self, data):
+        """Tags to offload: mostly (2 in 3) every tag there is, so that a sleep has backups to make, else the
+        policies' (None) or any."""
+        if data.draw(st.integers(0, 2), label="offload all") > 0:
+            return sorted({r.tag for r in self._ours()})
+        return data.draw(st.one_of(st.none(), st.sampled_from(TAGS), tag_sets), label="offload")
+
+    @rule(tag=st.sampled_from(TAGS), raw=st.booleans())
+    def set_raw(self, tag, raw):
+        """Switch a tag between compressed ("auto") and raw ("off") host backups, so that faults reach the codec's
+        ops and the raw path's copies, pinning and markers alike."""
+        p = {k: v for k, v in self.policies.get(tag, DEFAULT_POLICY).items() if k != "compress"}
+        self.a.set_tag_policy(tag, p["backup"], p["wake_fill"], compress="off" if raw else "auto")
+        if raw:
+            p["compress"] = "off"
+        self.policies[tag] = p
 
     @precondition(lambda self: self.armed is not None)
     @rule()
@@ -321,6 +479,7 @@ class FaultyMachine(AllocatorMachine):
             return False  # a failure that no fault explains is a bug
         assert self.armed is not None
         assert self.armed[0] in str(err) or isinstance(err, CumemOutOfMemoryError), err
+        self.tally.fired[(self.armed[0], what, "raised")] += 1
         self.armed = None
         self._reconcile(what)
         return True
@@ -341,9 +500,15 @@ class FaultyMachine(AllocatorMachine):
                 assert r["backed_up"] == rec.backed_up, f"failed {what} changed the backup of {addr:#x}"
             elif r["asleep"]:
                 assert what in ("sleep", "pause", "discard"), f"failed {what} put {addr:#x} to sleep"
-                rec.asleep, rec.backed_up = True, r["backed_up"]
-                assert what != "discard" or not rec.backed_up
-                if not rec.backed_up:
+                # What a failed sleep or pause released has exactly the backup the call owed it: one owed and
+                # missing is data lost, one not owed a backup its policy does not give.
+                owed = what != "discard" and addr in self.backing
+                assert r["backed_up"] == owed, (
+                    f"failed {what} put {addr:#x} ({rec.tag}) to sleep "
+                    + ("without its backup: its data is lost" if owed else "with a backup it was not owed")
+                )
+                rec.asleep, rec.backed_up, rec.retained = True, owed, False
+                if not owed:
                     rec.forget()
 
     @invariant()
@@ -357,6 +522,7 @@ class FaultyMachine(AllocatorMachine):
             assert errors > self.errors_seen or self.a.stats()["pending_releases"] > 0, (
                 f"fault in {op} fired and vanished (not raised, not recorded, nothing queued)"
             )
+            self.tally.fired[(op, self.last_call, "absorbed")] += 1
             self.armed = None
         self.errors_seen = errors
 
@@ -369,5 +535,20 @@ class FaultyMachine(AllocatorMachine):
         super()._teardown_checks()
 
 
+def run_faulty(machine: type, title: str, settings=STATEFUL_SETTINGS) -> FaultTally:
+    """Run a FaultyMachine class with a fresh tally; print the tally (pytest -s shows it), check that the run
+    fired faults in sleeps, pauses, wakes and resumes (one per four examples at least), and return it."""
+    machine.tally = FaultTally()
+    run_state_machine_as_test(machine, settings=settings)
+    print("\n" + machine.tally.table(title))
+    fired = machine.tally.fired_in(SLEEP_WAKE_CALLS)
+    print(f"{title}: {fired} faults fired in sleeps and wakes")
+    # Measured: 20-150 per 20 examples, 300-800 per 200; before the biasing, 10-20 per 200.
+    assert fired >= settings.max_examples // 4, (
+        f"{title}: only {fired} faults fired in sleeps and wakes over {settings.max_examples} examples"
+    )
+    return machine.tally
+
+
 def test_faulty_state_machine():
-    run_state_machine_as_test(machine_for("sim", FaultyMachine), settings=STATEFUL_SETTINGS)
+    run_faulty(machine_for("sim", FaultyMachine), "FaultyMachine")

@@ -11,7 +11,8 @@ import tempfile
 
 import pytest
 from hypothesis import settings
-from hypothesis.stateful import invariant, run_state_machine_as_test
+from hypothesis import strategies as st
+from hypothesis.stateful import invariant, precondition, rule, run_state_machine_as_test
 
 import cumem_rs
 from cumem_rs import Allocator
@@ -512,14 +513,67 @@ class Spilling:
     backups go to files (and some to host memory) and every sleep, wake, pause, resume, free and discard runs
     through the file tier with the model's promises unchanged. File backups are retained like host ones (a sleep
     rewrites only their changed chunks), so the model's exact count of retained backups and skipped chunks holds
-    as on the host tier (`exact_skips` is the base machine's: off under fault injection)."""
+    as on the host tier (`exact_skips` is the base machine's: off under fault injection).
+
+    Reach over a whole run (every example) is counted on the machine's class: sleeps and pauses that backed
+    anything up, and of them those that left backups in files; `assert_reach` checks it after the run."""
+
+    #: Per run (the class is made per test): sleeps that backed something up, and those that left backups in files.
+    backing_sleeps = 0
+    file_sleeps = 0
+    #: The least share of backing sleeps that must have written files over a run.
+    MIN_FILE_SHARE = 0.25
 
     def __init__(self) -> None:
         super().__init__()  # type: ignore[call-arg]
         self.spill = tempfile.mkdtemp(prefix="cumem-rs-spill-")
-        self.a.set_host_budget(2 * self.gran[0])
+        self.budget = 2 * self.gran[0]
+        self.a.set_host_budget(self.budget)
         self.a.set_spill_dir(self.spill)
         self.a.set_staging_bytes(max(8 * 4096, self.gran[0] // 2))
+
+    def _call(self, what: str, fn, *args, **kw):
+        if what in ("sleep", "pause"):
+            self.files_before = self.a.stats()["file_tier_bytes"]
+        return super()._call(what, fn, *args, **kw)  # type: ignore[misc]
+
+    def _released(self, report, awake, backed) -> None:
+        super()._released(report, awake, backed)  # type: ignore[misc]
+        if backed:
+            # A file-tier sleep: it left backups in files (written now, or retained ones it kept unchanged).
+            type(self).backing_sleeps += 1
+            type(self).file_sleeps += self.a.stats()["file_tier_bytes"] > self.files_before
+
+    @classmethod
+    def assert_reach(cls) -> None:
+        print(f"\n{cls.__name__}: {cls.file_sleeps} of {cls.backing_sleeps} sleeps that backed up used the file tier")
+        assert cls.backing_sleeps > 0 and cls.file_sleeps >= cls.MIN_FILE_SHARE * cls.backing_sleeps, (
+            f"only {cls.file_sleeps} of {cls.backing_sleeps} sleeps that backed anything up left backups in files"
+        )
+
+    @precondition(lambda self: self.model)
+    @rule(data=st.data())
+    def sleep_everything(self, data):
+        """Wake all, then a sleep that backs up every tag there is (past the budget: files), or a pause of all:
+        most other steps find little awake, and a file tier that no sleep reaches proves nothing."""
+        if any(r.asleep for r in self.model.values()):
+            self.wake_up(None)  # type: ignore[attr-defined]
+        if data.draw(st.booleans(), label="pause"):
+            self.pause(None)  # type: ignore[attr-defined]
+        else:
+            self.sleep(sorted({r.tag for r in self.model.values()}))  # type: ignore[attr-defined]
+
+    @invariant()
+    def tiers_hold_the_models_backups(self):
+        """Each backup asleep is in one tier at its size: host plus file tier bytes are the model's backups asleep,
+        the host tier within the budget (stored bytes: compressed ones count what they take)."""
+        s = self.a.stats()
+        asleep = sum(r.size for r in self.model.values() if r.asleep and r.backed_up)
+        assert s["host_tier_bytes"] + s["file_tier_bytes"] == asleep, (
+            f"host tier {s['host_tier_bytes']} + file tier {s['file_tier_bytes']} bytes, the model's backups "
+            f"asleep {asleep}"
+        )
+        assert s["host_tier_stored_bytes"] <= self.budget, s
 
     @invariant()
     def host_memory_within_the_budget(self):
@@ -546,10 +600,11 @@ class Spilling:
         the tier of each backup is the store's choice): within each tag's backups, summing to the stats'."""
         status = self.a.status()
         in_files = 0
-        for t in status["tags"].values():
+        for tag, t in status["tags"].items():
             if "file_bytes" in t:
                 file_bytes = t.pop("file_bytes")
-                assert 0 < file_bytes <= t["backup_bytes"] - t["retained_bytes"], t
+                asleep = sum(r.size for r in self.model.values() if r.tag == tag and r.asleep and r.backed_up)
+                assert 0 < file_bytes <= asleep, (tag, t, asleep)
                 in_files += file_bytes
         assert in_files == self.a.stats()["file_tier_bytes"]
         real = self.a
@@ -578,11 +633,7 @@ def _spilling_machine(backend: str) -> type:
 
 
 def _faulty_spilling_machine() -> type:
-    from hypothesis import strategies as st
-    from hypothesis.stateful import precondition, rule
-
     from test_faults import FaultyMachine
-    from test_state_machine import TAGS, tag_sets
 
     class FaultySpillingMachine(Spilling, FaultyMachine):
         """The fault-injecting machine of test_faults.py (driver faults) on the file tier, plus a rule that makes
@@ -590,29 +641,44 @@ def _faulty_spilling_machine() -> type:
         call must leave what `_reconcile` allows (a wake changes nothing, a sleep only puts allocations to sleep
         with a complete backup), and everything still wakes with its data at teardown."""
 
-        spill_armed = False
+        spill_armed = ""  # the spill op armed ("write" or "read"), while its sleep or wake runs
 
         # One fault at a time, as in FaultyMachine: a driver fault armed beside it could fire in the rollback
-        # (a refused unmap stays queued, mapped), which the model's invariants do not follow.
-        @precondition(lambda self: self.armed is None)
+        # (a refused unmap stays queued, mapped), which the model's invariants do not follow; one armed before
+        # and not reached yet is cleared first.
         @rule(
+            data=st.data(),
             op=st.sampled_from(["write", "read"]),
             nth=st.integers(1, 4),
             error=st.sampled_from(["short", "enospc", "eio"]),
-            tags=st.one_of(st.none(), st.sampled_from(TAGS), tag_sets),
         )
-        def spill_fault_step(self, op, nth, error, tags):
+        def spill_fault_step(self, data, op, nth, error):
+            """Everything awake with a byte changed, then a spill write failing in a sleep, or a clean sleep and
+            a spill read failing in the wake of everything: both find files to write or read (allocations are
+            added first while all of them would fit the host budget twice)."""
+            self._settle()
+            for _ in range(3):
+                if sum(r.size for r in self._ours()) > 2 * self.budget:
+                    break
+                self.alloc(data)
+            self._wake_and_touch(data)
+            tags = self._draw_offload(data)
+            if op == "read":
+                self.sleep(tags)
+                tags = None
             self.a.inject_spill_fault(op, nth, error)
-            self.spill_armed = True
+            self.spill_armed = op
+            self.tally.armed[f"spill {op}"] += 1
             try:
                 (self.sleep if op == "write" else self.wake_up)(tags)
             finally:
-                self.spill_armed = False
+                self.spill_armed = ""
                 self.a.clear_spill_faults()
 
         def _faulted(self, what: str, err: Exception) -> bool:
             if self.spill_armed and "spill file" in str(err):
-                self.spill_armed = False
+                self.tally.fired[(f"spill {self.spill_armed}", what, "raised")] += 1
+                self.spill_armed = ""
                 self._reconcile(what)
                 return True
             return super()._faulted(what, err)
@@ -622,18 +688,26 @@ def _faulty_spilling_machine() -> type:
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_state_machine_with_a_small_budget_and_a_spill_dir(backend):
-    run_state_machine_as_test(
-        _spilling_machine(backend), settings=settings(STATEFUL_SETTINGS, max_examples=100)
-    )
+    machine = _spilling_machine(backend)
+    run_state_machine_as_test(machine, settings=settings(STATEFUL_SETTINGS, max_examples=100))
+    machine.assert_reach()
 
 
 @pytest.mark.usefixtures("raw_backups")
 def test_faulty_state_machine_with_a_small_budget_and_a_spill_dir():
-    run_state_machine_as_test(_faulty_spilling_machine(), settings=settings(STATEFUL_SETTINGS, max_examples=100))
+    from test_faults import run_faulty
+
+    machine = _faulty_spilling_machine()
+    run_faulty(machine, "FaultySpillingMachine (raw)", settings(STATEFUL_SETTINGS, max_examples=100))
+    machine.assert_reach()
 
 
 def test_faulty_state_machine_with_a_small_budget_a_spill_dir_and_compression():
-    run_state_machine_as_test(_faulty_spilling_machine(), settings=settings(STATEFUL_SETTINGS, max_examples=100))
+    from test_faults import run_faulty
+
+    machine = _faulty_spilling_machine()
+    run_faulty(machine, "FaultySpillingMachine (compressed)", settings(STATEFUL_SETTINGS, max_examples=100))
+    machine.assert_reach()
 
 
 def test_with_a_spill_dir_a_sleep_past_what_the_host_can_pin_spills_instead_of_being_refused(tmp_path):

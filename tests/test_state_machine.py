@@ -52,6 +52,7 @@ class Rec:
     retained: bool = False  # awake with the backup its wake restored from still bound to it
     dirty: bool = False  # written since that wake (a retained backup must copy at least those chunks again)
     packed: bool = False  # its last backup was made compressed (its tag's policy compressed then)
+    surely_packed: bool = False  # ... and no codec can have stored it raw (see CompressingMachine._released)
 
     def __post_init__(self) -> None:
         if self.data is None:
@@ -79,6 +80,8 @@ class AllocatorMachine(RuleBasedStateMachine):
         self.gran = [self.a.granularity(d) for d in range(self.ndev)]
         self.capacity = [self.a.mem_info(d)[1] for d in range(self.ndev)]
         self.model: dict[int, Rec] = {}
+        # Addresses the sleep or pause under way must back up (for `_faulted`: what a failed one may leave).
+        self.backing: set[int] = set()
         self.tag_stack: list[str] = []
         # Several fingerprint chunks per allocation, so that writes to part of one skip the rest.
         self.a.set_fingerprint_chunk(self.gran[0] // 4)
@@ -315,12 +318,15 @@ class AllocatorMachine(RuleBasedStateMachine):
         # list is a set of tags.
         awake = [r for r in self.model.values() if not r.asleep]
         if offload is None:
-            report = self._call("sleep", self.a.sleep)
             backed = [r for r in awake if self._backs_up(r.tag, "sleep")]
         else:
-            report = self._call("sleep", self.a.sleep, offload)
             tags = {offload} if isinstance(offload, str) else set(offload)
             backed = [r for r in awake if r.tag in tags]
+        self.backing = {r.address for r in backed}
+        if offload is None:
+            report = self._call("sleep", self.a.sleep)
+        else:
+            report = self._call("sleep", self.a.sleep, offload)
         if report is FAULTED:
             return
         self._released(report, awake, backed)
@@ -329,10 +335,12 @@ class AllocatorMachine(RuleBasedStateMachine):
     def pause(self, tags):
         want = None if tags is None else {tags} if isinstance(tags, str) else set(tags)
         awake = [r for r in self.model.values() if not r.asleep and (want is None or r.tag in want)]
+        backed = [r for r in awake if self._backs_up(r.tag, "pause")]
+        self.backing = {r.address for r in backed}
         report = self._call("pause", self.a.pause, tags)
         if report is FAULTED:
             return
-        self._released(report, awake, [r for r in awake if self._backs_up(r.tag, "pause")])
+        self._released(report, awake, backed)
 
     @rule(tag=st.sampled_from(TAGS), backup=st.sampled_from([None, True, False]),
           wake_fill=st.sampled_from(["undefined", "zero"]))
@@ -556,6 +564,18 @@ class CompressingMachine(AllocatorMachine):
             p["compress"] = mode
         self.policies[tag] = p
 
+    @precondition(lambda self: self._ours())
+    @rule(mode=st.sampled_from(COMPRESS_MODES))
+    def sleep_all_in_mode(self, mode):
+        """Every tag switched to `mode`, everything woken, every tag there is offloaded: a sleep whose backups
+        are all of one mode, fresh where the mode changed from or to "off" (a retained backup of the other kind
+        is not reused), so that each mode's backups are asleep often enough for the byte counts to tell."""
+        for tag in TAGS:
+            self.set_compress(tag, mode)
+        if any(r.asleep for r in self.model.values()):
+            self.wake_up(None)
+        self.sleep(sorted({r.tag for r in self.model.values()}))
+
     def _compressing(self, tag: str) -> bool:
         return self.policies.get(tag, DEFAULT_POLICY).get("compress", "auto") != "off"
 
@@ -564,14 +584,28 @@ class CompressingMachine(AllocatorMachine):
         return not r.packed or self._compressing(r.tag)
 
     def _released(self, report, awake, backed) -> None:
+        fresh = {id(r): not r.retained for r in backed}  # before the base clears `retained`
         super()._released(report, awake, backed)
         for r in backed:
             r.packed = self._compressing(r.tag)
+            # A fresh backup (no retained one reused, which may be raw) of a tag that compresses, whose last quarter
+            # or more is never written (poison, or zeros after a zero-filled wake): its chunks there always shrink,
+            # so it is never stored all raw nor skipped as incompressible later.
+            r.surely_packed = r.packed and fresh[id(r)] and (r.size - r.requested) * 4 >= r.size
 
     @invariant()
     def compressed_bytes_add_up(self):
+        """The host tier's bytes against the model: every backup asleep is there at its size; the compressed ones
+        at most those of tags that compressed at their sleep (an "off" tag's data stored compressed fails), at
+        least those that surely shrank (a codec that silently stores everything raw fails)."""
         s = self.a.stats()
-        assert s["compressed_raw_bytes"] <= s["host_tier_bytes"], s
+        backed = [r for r in self.model.values() if r.asleep and r.backed_up]
+        assert s["host_tier_bytes"] == sum(r.size for r in backed), s
+        packed = sum(r.size for r in backed if r.packed)
+        surely = sum(r.size for r in backed if r.surely_packed)
+        assert surely <= s["compressed_raw_bytes"] <= packed, (
+            f"compressed backups of {s['compressed_raw_bytes']} raw bytes; the model says {surely} to {packed}"
+        )
         assert s["compressed_bytes"] <= s["host_tier_stored_bytes"], s
         # Raw host backups take their raw size.
         raw_stored = s["host_tier_stored_bytes"] - s["compressed_bytes"]

@@ -182,42 +182,137 @@ fn recorded_engine() -> (Arc<Recording>, Engine) {
     (rec, e)
 }
 
-fn run_with_fault(op: Op, nth: u64) -> Vec<Call> {
+/// Which call of a sleep → wake → sleep → wake cycle a fault is armed before.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Phase {
+    FirstSleep,
+    FirstWake,
+}
+
+fn pattern(seed: usize, len: usize) -> Vec<u8> {
+    (0..len).map(|i| (i * 7 + seed * 13) as u8).collect()
+}
+
+/// How often `op` reached the simulated driver so far.
+fn calls_of(rec: &Recording, op: Op) -> u64 {
+    (rec.sim.counts().calls.iter())
+        .find(|c| c.0 == op.name())
+        .map_or(0, |c| c.1)
+}
+
+/// What one faulted cycle did: the driver log, whether the armed fault was reached (the op was called at least
+/// `nth` times in the faulted call) and whether that call failed.
+struct Faulted {
+    log: Vec<Call>,
+    /// Calls of the op the faulted sleep or wake made.
+    calls: u64,
+    fired: bool,
+    failed: bool,
+}
+
+/// Six allocations on two devices with known data; the `nth` next `op` call of `phase` fails (none if `nth` is
+/// 0, for counting the calls of a clean run). The fault is cleared once that call returns; whatever it did, the
+/// wake and the cycle after it must succeed and give the data back, so no result is dropped.
+fn run_with_fault(op: Op, nth: u64, phase: Phase) -> Faulted {
     let (rec, e) = recorded_engine();
     e.set_pin_chunk(3 * 4096 * 5).unwrap();
     e.set_keep_host_memory(false).unwrap(); // a buffer no allocation uses is unpinned at once
     e.push_tag("weights").unwrap();
-    for i in 0..6 {
-        e.malloc(GRAN * (1 + i % 3), (i % 2) as i32, 0).unwrap();
-    }
+    let allocs: Vec<(u64, usize)> = (0..6)
+        .map(|i| {
+            let n = GRAN * (1 + i % 3);
+            let a = e.malloc(n, (i % 2) as i32, 0).unwrap();
+            e.write(a, &pattern(i, n)).unwrap();
+            (a, n)
+        })
+        .collect();
     e.pop_tag().unwrap();
-    rec.sim.inject_fault(op, nth, 999).unwrap();
-    let _ = e.sleep(&["weights"]);
+    let ctx = format!("{} fault at call {nth} of {phase:?}", op.name());
+    if phase == Phase::FirstWake {
+        e.sleep(&["weights"]).unwrap();
+    }
+    let before = calls_of(&rec, op);
+    if nth > 0 {
+        rec.sim.inject_fault(op, nth, 999).unwrap();
+    }
+    let result = match phase {
+        Phase::FirstSleep => e.sleep(&["weights"]).map(drop),
+        Phase::FirstWake => e.wake(None::<&[&str]>).map(drop),
+    };
+    let calls = calls_of(&rec, op) - before;
+    let fired = nth > 0 && calls >= nth;
     rec.sim.clear_faults();
-    let _ = e.wake(None::<&[&str]>);
-    let _ = e.sleep(&["weights"]);
-    let _ = e.wake(None::<&[&str]>);
+    let failed = result.is_err();
+    // After a failed wake everything is still asleep with its backup; after a failed sleep what it put to sleep
+    // has its backup: either way this wake restores it all.
+    e.wake(None::<&[&str]>)
+        .unwrap_or_else(|err| panic!("{ctx}: the wake after it failed: {err}"));
+    for (i, &(a, n)) in allocs.iter().enumerate() {
+        assert!(
+            e.read(a, n).unwrap() == pattern(i, n),
+            "{ctx}: data of allocation {i}"
+        );
+    }
+    e.sleep(&["weights"])
+        .unwrap_or_else(|err| panic!("{ctx}: the clean sleep after it failed: {err}"));
+    e.wake(None::<&[&str]>)
+        .unwrap_or_else(|err| panic!("{ctx}: the clean wake after it failed: {err}"));
+    for (i, &(a, n)) in allocs.iter().enumerate() {
+        assert!(
+            e.read(a, n).unwrap() == pattern(i, n),
+            "{ctx}: data of allocation {i} after the clean cycle"
+        );
+    }
     e.close().unwrap();
     let log = rec.log.lock().clone();
-    log
+    Faulted {
+        log,
+        calls,
+        fired,
+        failed,
+    }
 }
 
 #[test]
 fn no_host_buffer_is_unpinned_under_queued_copies_whatever_fails() {
-    let mut runs = 0;
-    for op in [
-        Op::CopyD2H,
-        Op::Record,
-        Op::Wait,
-        Op::CopyH2D,
-        Op::HostRegister,
-    ] {
+    // Each op in the phase that calls it (a wake records no markers and pins nothing); a copy or a wait that fails must fail its sleep or wake
+    // (a failed registration may fall back to an unpinned copy, a failed marker to a full wait).
+    let cases = [
+        (Op::CopyD2H, Phase::FirstSleep, true),
+        (Op::Record, Phase::FirstSleep, false),
+        (Op::Wait, Phase::FirstSleep, true),
+        (Op::HostRegister, Phase::FirstSleep, false),
+        (Op::CopyH2D, Phase::FirstWake, true),
+        (Op::Wait, Phase::FirstWake, true),
+    ];
+    for (op, phase, must_fail) in cases {
+        let clean = run_with_fault(op, 0, phase);
+        assert_no_copy_in_flight_at_unpin(&clean.log);
+        assert!(
+            !clean.failed && clean.calls > 0,
+            "{} is called in {phase:?}",
+            op.name()
+        );
+        let mut fired = 0;
         for nth in 1..=12 {
-            assert_no_copy_in_flight_at_unpin(&run_with_fault(op, nth));
-            runs += 1;
+            let run = run_with_fault(op, nth, phase);
+            assert_no_copy_in_flight_at_unpin(&run.log);
+            let ctx = format!("{} fault at call {nth} of {phase:?}", op.name());
+            // The faulted call runs like the clean one up to the fault, so it is reached exactly when the clean
+            // run made that many calls.
+            assert_eq!(run.fired, nth <= clean.calls, "{ctx}: fired");
+            if must_fail {
+                assert_eq!(run.failed, run.fired, "{ctx}: the call failed");
+            }
+            fired += u64::from(run.fired);
         }
+        assert_eq!(
+            fired,
+            clean.calls.min(12),
+            "{} faults of {phase:?} fired",
+            op.name()
+        );
     }
-    assert_eq!(runs, 60);
 }
 
 /// The review's case: a first sleep whose third registration fails leaves a cached arena with an unpinned cell;
