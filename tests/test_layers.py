@@ -18,7 +18,7 @@ LAYERS = [
     ("engine", {"engine"}),
     ("components", {"backups", "registry", "tags", "address_space", "transfer", "host"}),
     ("driver", {"driver"}),
-    ("base", {"error", "error_log", "fingerprint", "host_guard", "logbuf", "timing"}),
+    ("base", {"env", "error", "error_log", "fingerprint", "host_guard", "logbuf", "timing"}),
 ]
 RANK = {m: i for i, (_, mods) in enumerate(LAYERS) for m in mods}
 
