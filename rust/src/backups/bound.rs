@@ -215,11 +215,12 @@ impl BackupStore {
         if total == 0 {
             return Ok(());
         }
-        // The new arena sits beside the old ones until the move is done: not past the host budget.
-        if self.check_budget(total, "compacting host backups").is_err() {
-            log::debug!(
-                "backup store: not compacting {total} bytes of host backups: past the host budget"
-            );
+        // The new arena sits beside the old ones until the move is done: not past the host budget, nor past what
+        // the host can give (the old ones are freed only after it).
+        if let Err(e) = (self.check_budget(total, "compacting host backups"))
+            .and_then(|()| self.room.check(total, self.resident(), "compacting host backups"))
+        {
+            log::debug!("backup store: not compacting {total} bytes of host backups: {e}");
             return Ok(());
         }
         // A new buffer of exactly their size: a cached spare taken for it would become an arena with a hole of

@@ -35,6 +35,10 @@ pub use super::placer::MAX_RANGE;
 /// The ratio assumed before any sleep measured one (bf16 weights: ~0.67; worse data grows the first arena).
 pub(super) const FIRST_RATIO_GUESS: f64 = 0.67;
 
+/// Host bytes a compressed sleep may pin past the raw bytes at worst, besides a thirty-second of them (the ends of
+/// pinned pieces a blob did not fit): a first arena's room to grow and a few minimum-size arenas.
+const PACK_SLACK: usize = 16 << 20;
+
 /// Context of a blob arena that could not grow in place (a new arena took the rest of the blobs).
 const GROW_FAILED: &str =
     "growing a compressed sleep's host arena in place (a new arena took the rest)";
@@ -172,6 +176,25 @@ impl BackupStore {
     /// with the placer's slack), for pinning ahead.
     pub fn estimate_stored(&self, raw: usize) -> usize {
         (raw as f64 * self.ratio_guess * 1.05).min(raw as f64) as usize
+    }
+
+    /// Whether a compressed sleep of `raw` bytes (those the codec takes, fresh and retained, and those the same
+    /// sleep copies raw after it) may release each allocation as soon as its backup is complete, the codec still
+    /// running on others. Only where all the sleep may come to pin at worst fits the host's room now: every chunk
+    /// stored raw (blob arenas up to the raw bytes, with the slack of piece ends and small arenas), or a raw
+    /// fallback of what the codec did not finish beside the blobs of what it did. Otherwise the codec's backups
+    /// are all or nothing, each arena and growth checked against the room as it comes (the estimate is a guess:
+    /// data that compresses as expected fits where its raw bytes would not), and a refusal leaves every allocation
+    /// awake with its data; a refusal after a release could not.
+    pub fn may_release_while_packing(&self, raw: usize) -> bool {
+        let worst = raw.saturating_add(raw / 32).saturating_add(PACK_SLACK);
+        match self.room.check(worst, self.resident(), "a compressed sleep at worst") {
+            Ok(()) => true,
+            Err(e) => {
+                log::debug!("compressed sleep: all or nothing, no release while compressing: {e}");
+                false
+            }
+        }
     }
 
     /// Whether this sleep copies `addr` raw without trying the codec: its last compressed backup kept no chunk
@@ -583,9 +606,11 @@ impl BackupStore {
                     });
             }
         }
+        // Beside the old arenas until the move is done: within the budget and the host's room.
+        let what = "compacting compressed backups";
         if total == 0
-            || self
-                .check_budget(total, "compacting compressed backups")
+            || (self.check_budget(total, what))
+                .and_then(|()| self.room.check(total, self.resident(), what))
                 .is_err()
         {
             return Ok(());

@@ -266,8 +266,10 @@ pub struct StoreConfig {
     pub fingerprint_chunk: usize,
     /// Cell size of pipelined pinning.
     pub pin_chunk: usize,
-    /// A cap on the host memory pinned for backups, besides what the driver says the host can give.
+    /// A cap on the host memory held for backups, besides what the host can give (`CUMEM_RS_HOST_MEMORY_LIMIT`).
     pub host_limit: Option<usize>,
+    /// Bytes of the host's room kept for the process itself (`CUMEM_RS_HOST_MARGIN`).
+    pub host_margin: usize,
     /// A cap on the host memory held for backups at any time (budget.rs).
     pub host_budget: Option<usize>,
     /// The spill directory of the file tier (file_tier.rs), if any.
@@ -362,6 +364,8 @@ impl BackupStore {
             room: HostRoom {
                 driver: driver.clone(),
                 cap: config.host_limit,
+                margin: config.host_margin,
+                reading: crate::host_guard::available,
             },
             budget: config.host_budget,
             compress: config.compress,
@@ -490,7 +494,8 @@ impl BackupStore {
             self.check_budget(total, &refused)?;
         }
         let to_pin = cached.as_ref().map_or(total, |b| b.unpinned_below(total));
-        if let Err(e) = self.room.check(to_pin, &refused) {
+        let held = self.resident() + cached.as_ref().map_or(0, |b| b.len() - b.unpinned_below(b.len()));
+        if let Err(e) = self.room.check(to_pin, held, &refused) {
             if let Some(b) = cached {
                 let _ = self.host.cache(b); // as it was; a refused unpin keeps it cached anyway
             }
@@ -548,6 +553,16 @@ impl BackupStore {
     /// when the worker is stopped, so the bound counts it from the start).
     pub fn held(&self) -> usize {
         self.arena_bytes() + self.host.cached_bytes() + self.pin_ahead_bytes()
+    }
+
+    /// Host bytes the store holds in memory now, what a memory cgroup charges it for: arenas in use, the pinned
+    /// part of the cached ones and of the one being pinned ahead, the staging ring. The host guard's cap
+    /// (`CUMEM_RS_HOST_MEMORY_LIMIT`) bounds it.
+    pub(super) fn resident(&self) -> usize {
+        self.arena_bytes()
+            + self.host.cached_pinned_bytes()
+            + self.pin_ahead_pinned()
+            + self.staging_held()
     }
 
     /// Host bytes of the arenas backups point into.
@@ -617,6 +632,7 @@ mod tests {
             fingerprint_chunk: GRAN,
             pin_chunk: GRAN,
             host_limit: None,
+            host_margin: crate::host_guard::DEFAULT_MARGIN,
             host_budget: None,
             spill_dir: None,
             compress: false,

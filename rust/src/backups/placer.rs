@@ -139,6 +139,22 @@ impl Placer<'_> {
         (self.store.budget_room()).map_or(usize::MAX, |room| room.saturating_sub(self.taken))
     }
 
+    /// Host bytes held now: the store's, and the arenas this placer took (not the store's until the sleep adopts
+    /// them).
+    fn resident(&self) -> usize {
+        let mine: usize = (self.arenas.iter())
+            .map(|a| a.len() - a.unpinned_below(a.len()))
+            .sum();
+        self.store.resident() + mine
+    }
+
+    /// Bytes the host RAM guard lets this sleep pin now (unbounded when the host's room cannot be read).
+    fn room_left(&self) -> usize {
+        (self.store.room)
+            .available(self.resident())
+            .unwrap_or(usize::MAX)
+    }
+
     /// Grow the last arena in place for the rest of the blobs, the first of which takes `len` (data compressing
     /// worse than the estimate): one arena stays one arena, so the next sleep finds it whole in the host cache.
     /// A second arena beside it would be returned at the wake (the cache keeps one buffer) and pinned again at
@@ -149,11 +165,12 @@ impl Placer<'_> {
         let last = self.arenas.last()?;
         let room = last.room_to_grow();
         let wanted = self.estimate(rest_raw).max(len).max(MIN_ARENA.min(room));
-        let extra = wanted.min(room).min(self.budget_left());
+        // Within the host's room, read again at each growth: the estimate may have been short of what the data
+        // takes, and what fits is decided by what the host can give now, not by the guess made before.
+        let extra = wanted.min(room).min(self.budget_left()).min(self.room_left());
         if extra < len {
             return None;
         }
-        self.store.room.check(extra, "").ok()?;
         let t = std::time::Instant::now();
         if let Err(e) = self.arenas.last_mut()?.grow(extra) {
             self.grow_failures.push(e);
@@ -188,9 +205,18 @@ impl Placer<'_> {
         .max(len);
         match self.store.host.take_cached_or_growable(size) {
             Some(mut b) if b.len() <= cached_fits(size) && holds_blobs(&b) => {
-                // Pinned ahead in part (in cells): the rest is pinned now, each gap as one piece. A little short of
-                // the estimate (the ratio moved): `grow_last` grows it in place once its bytes are used, as it grows
-                // any first arena.
+                // Pinned ahead in part (in cells): the rest is pinned now, each gap as one piece, where the host's
+                // room allows it; where not, the buffer ends at its pinned cells and grows (checked) as needed. A
+                // little short of the estimate (the ratio moved): `grow_last` grows it in place once its bytes are
+                // used, as it grows any first arena.
+                let unpinned = b.unpinned_below(b.len());
+                let held = self.resident() + (b.len() - unpinned);
+                if let Err(e) = self.store.room.check(unpinned, held, REFUSED) {
+                    if !b.cut_unpinned_tail() {
+                        let _ = self.store.host.cache(b);
+                        return Err(e);
+                    }
+                }
                 if let Err(e) = b.pin_gaps() {
                     let _ = self.store.host.cache(b);
                     return Err(e);
@@ -215,9 +241,11 @@ impl Placer<'_> {
         }
         // Under a budget, no more than the room it leaves (a minimum-size arena for a few small blobs must not
         // refuse what fits).
-        let size = size.min(self.budget_left()).max(len);
+        // Within the host's room too: data that compresses better than the guess then fits where the guess would
+        // not, and data that compresses worse grows the arena only after the room is checked again.
+        let size = size.min(self.budget_left()).min(self.room_left()).max(len);
         self.store.check_budget(self.taken + size, REFUSED)?;
-        self.store.room.check(size, REFUSED)?;
+        self.store.room.check(size, self.resident(), REFUSED)?;
         let t = std::time::Instant::now();
         let buf = match first {
             true if size >= GROW_MIN_ARENA => {
@@ -278,6 +306,11 @@ impl Placer<'_> {
         // (two of them filled a budget of two granules, and the next sleep of those allocations fell back to raw
         // copies).
         if used == 0 || used > MAX_ARENA || len - used <= len / 8 {
+            return self.arenas;
+        }
+        // The exact buffer is pinned beside the old one for the move: only where the host's room allows it.
+        if let Err(e) = self.store.room.check(used, self.resident(), FINISH_KEPT) {
+            log::debug!("compressed sleep: {e}");
             return self.arenas;
         }
         let mut exact = match self.store.host.pin_new(used) {
