@@ -85,7 +85,7 @@ impl BackupStore {
     /// pinned whole, as (arena, offset, length). The blobs of compressed backups lie in arenas too: their bytes
     /// are in use like a raw backup's. Copies into an arena are waited for before the call that queued them
     /// returns, so no copy is in flight into a hole.
-    fn holes(&self) -> impl Iterator<Item = (&Arc<HostBuffer>, usize, usize)> {
+    pub(super) fn holes(&self) -> impl Iterator<Item = (&Arc<HostBuffer>, usize, usize)> {
         let mut used: HashMap<usize, Vec<(usize, usize)>> = HashMap::new();
         let backups = (self.asleep.values()).chain(self.retention.backups().map(|(_, b)| b));
         for b in backups {
@@ -97,6 +97,11 @@ impl BackupStore {
                 let ranges = used.entry(Arc::as_ptr(arena) as usize).or_default();
                 ranges.push((offset, len));
             }
+        }
+        // Blobs a sleep placed and has not handed over yet (compressed.rs), and those it keeps.
+        for (arena, offset, len) in &self.placed {
+            let ranges = used.entry(Arc::as_ptr(arena) as usize).or_default();
+            ranges.push((*offset, *len));
         }
         // Bytes that live views show stay as they are (view.rs).
         for (arena, offset, len) in self.views.ranges() {

@@ -14,6 +14,7 @@
 //! Every method that cannot raise what went wrong (a fallback taken, a release refused) records it in the
 //! caller's `ErrorLog`.
 
+mod blob_reuse;
 mod bound;
 mod budget;
 mod compressed;
@@ -316,6 +317,9 @@ pub struct BackupStore {
     views: view::Views,
     /// Allocations whose last compressed backup was all raw chunks (incompressible.rs).
     incompressible: incompressible::Incompressible,
+    /// Blob ranges a compressed sleep placed or keeps and has not handed over to kept backups yet: in use for the
+    /// holes (bound.rs) until the sleep's `collect_unused` (blob_reuse.rs).
+    placed: Vec<(Arc<HostBuffer>, usize, usize)>,
 }
 
 /// Record what pinning absorbed: registrations the driver's own allocation served, and worker threads that could
@@ -373,6 +377,7 @@ impl BackupStore {
             asleep_raw: 0,
             views: view::Views::default(),
             incompressible: Default::default(),
+            placed: Vec::new(),
             driver,
         }
     }
@@ -521,6 +526,7 @@ impl BackupStore {
     /// Arenas no backup points into any more go back to the host pool; then the host memory held is brought
     /// back within its bound (bound.rs).
     pub fn collect_unused(&mut self, log: &mut ErrorLog) {
+        self.placed.clear(); // the sleep that placed them is over: its backups are kept or dropped
         self.punch_released();
         self.give_back_unused(log);
         self.bound(log);

@@ -189,7 +189,13 @@ impl BackupStore {
         for (context, e) in &out.errors {
             log.record(context, e);
         }
-        if let Err(e) = self.host.cache(out.buf) {
+        let mut buf = out.buf;
+        if (out.errors.iter()).any(|(_, e)| matches!(e, Error::OutOfMemory { .. })) {
+            // Stopped at the host's room: the buffer ends at its pinned cells (the rest is address space, left as
+            // room to grow), so that what it is counted as holding is what it holds.
+            buf.cut_unpinned_tail();
+        }
+        if let Err(e) = self.host.cache(buf) {
             log.record("returning cached host backup memory", &e);
         }
     }
@@ -276,6 +282,9 @@ impl BackupStore {
             .and_then(|()| pin_rest(&self.room, base, &mut buf, self.pin_chunk, &stop, &done));
         let notes = std::mem::take(&mut buf.notes);
         self.host.notes.extend(notes);
+        if matches!(pinned, Err(Error::OutOfMemory { .. })) {
+            buf.cut_unpinned_tail(); // held as what it holds (see `stop_pin_ahead`)
+        }
         // Cached even after a failure: its pinned cells serve the next sleep.
         self.host.cache(buf)?;
         pinned

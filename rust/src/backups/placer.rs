@@ -9,7 +9,11 @@
 //! what the host can still pin first. `finish` moves a small last arena that is mostly unused into one of its
 //! exact size.
 
+use std::sync::Arc;
+
+use super::blob_reuse::Reuse;
 use super::BackupStore;
+use crate::driver::HostPtr;
 use crate::error::{Error, Result};
 use crate::error_log::ErrorLog;
 use crate::host::HostBuffer;
@@ -66,11 +70,19 @@ pub(super) struct Placer<'s> {
     /// Raw bytes the same sleep copies raw after the blobs (allocations that do not compress): a cached buffer
     /// of that size is left to those copies instead of being returned to the OS.
     for_raw: usize,
+    /// The dead blob bytes of retained backups, which take blobs before any arena is taken (blob_reuse.rs). Their
+    /// arenas come first in the index `place` answers; the arenas taken here after them.
+    reuse: Reuse,
 }
 
 impl<'s> Placer<'s> {
     /// A placer for one sleep's blobs, sizing arenas by `ratio` (stored of raw bytes) until its blobs say worse.
-    pub(super) fn new(store: &'s mut BackupStore, ratio: f64, for_raw: usize) -> Placer<'s> {
+    pub(super) fn new(
+        store: &'s mut BackupStore,
+        ratio: f64,
+        for_raw: usize,
+        reuse: Reuse,
+    ) -> Placer<'s> {
         Placer {
             store,
             arenas: Vec::new(),
@@ -82,19 +94,33 @@ impl<'s> Placer<'s> {
             skipped: 0,
             grow_failures: Vec::new(),
             for_raw,
+            reuse,
         }
     }
 }
 
 impl Placer<'_> {
+    /// Address of byte `offset` of arena `a` of the index `place` answers.
+    pub(super) fn at(&self, a: usize, offset: usize) -> HostPtr {
+        match a.checked_sub(self.reuse.arenas.len()) {
+            None => self.reuse.arenas[a].at(offset),
+            Some(k) => self.arenas[k].at(offset),
+        }
+    }
+
     /// A place for a blob of `len` bytes of a range of `raw` bytes; `rest_raw` raw bytes (this one's included)
-    /// are still to be placed.
+    /// are still to be placed. (arena index, offset): the arenas of dead blobs first, then those taken here.
     pub(super) fn place(
         &mut self,
         len: usize,
         raw: usize,
         rest_raw: usize,
     ) -> Result<(usize, usize)> {
+        if let Some(at) = self.reuse.place(len) {
+            self.placed_raw += raw;
+            self.placed_stored += len;
+            return Ok(at);
+        }
         let (arenas_before, used_before) = (self.arenas.len(), self.used);
         let at = match self.fit(len).or_else(|| self.grow_last(len, rest_raw)) {
             Some(at) => at,
@@ -116,7 +142,7 @@ impl Placer<'_> {
         self.used = at + len;
         self.placed_raw += raw;
         self.placed_stored += len;
-        Ok((self.arenas.len() - 1, at))
+        Ok((self.reuse.arenas.len() + self.arenas.len() - 1, at))
     }
 
     /// The ratio to size what is still to be placed by: the guess, or what this sleep's blobs so far show when
@@ -129,9 +155,11 @@ impl Placer<'_> {
     }
 
     /// Host bytes the blobs of `rest_raw` raw bytes are estimated to take, with the slack: never more than the raw
-    /// bytes (no blob is larger than its range: one that would not shrink is stored raw).
+    /// bytes (no blob is larger than its range: one that would not shrink is stored raw), less the dead blob bytes
+    /// still to take them.
     fn estimate(&self, rest_raw: usize) -> usize {
-        ((rest_raw as f64 * self.rest_ratio() * ESTIMATE_SLACK) as usize).min(rest_raw)
+        let all = ((rest_raw as f64 * self.rest_ratio() * ESTIMATE_SLACK) as usize).min(rest_raw);
+        all.saturating_sub(self.reuse.left())
     }
 
     /// Bytes the host budget leaves for further arenas or growth (unbounded without a budget).
@@ -295,7 +323,13 @@ impl Placer<'_> {
     /// The arenas, the last one moved into a buffer of the bytes it uses when more than an eighth of it is
     /// unused (host bytes held = stored bytes, within that slack). A failure to pin that buffer keeps the arena
     /// as it is, and a failure to return the old one leaves it to the pool; both are recorded in `log`.
-    pub(super) fn finish(mut self, log: &mut ErrorLog) -> Vec<HostBuffer> {
+    /// First: the arenas of dead blobs that took new ones (as they are).
+    pub(super) fn finish(mut self, log: &mut ErrorLog) -> (Vec<Arc<HostBuffer>>, Vec<HostBuffer>) {
+        let reused = std::mem::take(&mut self.reuse.arenas);
+        (reused, self.finish_new(log))
+    }
+
+    fn finish_new(mut self, log: &mut ErrorLog) -> Vec<HostBuffer> {
         let Some(last) = self.arenas.last() else {
             return self.arenas;
         };
