@@ -68,7 +68,8 @@ impl Reuse {
         while i < self.runs.len() && i < self.next + WINDOW {
             let (a, from, end) = self.runs[i];
             if let Some(at) = fit(&self.arenas[a], from, end, len) {
-                self.runs[i].1 = at + len;
+                // With its room, as a fresh blob has (placer.rs), where the run has it.
+                self.runs[i].1 = (at + super::placer::padded(len)).min(end);
                 return Some((a, at));
             }
             if i == self.next {

@@ -37,8 +37,9 @@ const MAX_ARENA: usize = 256 << 20;
 /// little, and data that compresses worse grows the arena in place (`grow_last`: pinning the few percent more
 /// costs milliseconds). Kept small because the arena outlives the sleep: the next ones reuse it as it is, so its
 /// slack is host memory held at every cycle (H200, bf16 weights: 3% over the first guess held 0.711x of the raw
-/// bytes for blobs of about 0.67x).
-const ESTIMATE_SLACK: f64 = 1.01;
+/// bytes for blobs of about 0.67x). Two hundredths: one for the room each blob is given (`padded`), one for the
+/// estimate.
+const ESTIMATE_SLACK: f64 = 1.02;
 
 /// Address space a sleep's first arena reserves beyond the raw bytes it may hold: each growth in place starts a
 /// new pinned piece, and the blob that did not fit the end of the last one leaves up to a range unused there.
@@ -47,6 +48,13 @@ const GROW_SLACK: usize = 4 * MAX_RANGE;
 /// A cached arena is taken when it is at most this much larger than what the placer asks for; a larger one is
 /// returned to the OS first (holding it beside a new arena would double the RAM, using it would hold its size).
 const CACHED_SLACK: f64 = 1.06;
+
+/// The room each blob is given past its bytes, a hundredth (the arena's `ESTIMATE_SLACK`, spread over its blobs
+/// instead of left at its end): when the chunk changes, its next blob, of about the same size, takes the place of
+/// this one (blob_reuse.rs) even when it is a little larger, instead of going to a new arena.
+pub(super) fn padded(len: usize) -> usize {
+    len + (len / 100).next_multiple_of(64)
+}
 
 /// Context of a failure to pin the buffer a sleep's last blob arena was to move into (it stayed as it was).
 const FINISH_KEPT: &str = "moving a blob arena into one of its used size (it was kept as it is)";
@@ -139,7 +147,8 @@ impl Placer<'_> {
         if self.arenas.len() == arenas_before {
             self.skipped += at - used_before; // the end of a piece too short for this blob
         }
-        self.used = at + len;
+        // The next blob starts after this one's room, where it is in the arena (the last one's may be cut short).
+        self.used = (at + padded(len)).min(self.arenas.last().map_or(0, |a| a.len()));
         self.placed_raw += raw;
         self.placed_stored += len;
         Ok((self.reuse.arenas.len() + self.arenas.len() - 1, at))
