@@ -44,7 +44,9 @@ fn key(a: &Arc<HostBuffer>) -> usize {
 impl Reuse {
     /// Runs from `holes` ((arena, offset, length) in arena and offset order: `BackupStore::holes`, once the
     /// retained backups the sleep compresses again no longer count and the blobs of their unchanged chunks do).
-    pub(super) fn of<'a>(holes: impl Iterator<Item = (&'a Arc<HostBuffer>, usize, usize)>) -> Reuse {
+    pub(super) fn of<'a>(
+        holes: impl Iterator<Item = (&'a Arc<HostBuffer>, usize, usize)>,
+    ) -> Reuse {
         let mut out = Reuse::default();
         let mut index: HashMap<usize, usize> = HashMap::new();
         for (arena, offset, len) in holes.filter(|h| h.2 > 0) {

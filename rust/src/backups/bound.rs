@@ -222,9 +222,10 @@ impl BackupStore {
         }
         // The new arena sits beside the old ones until the move is done: not past the host budget, nor past what
         // the host can give (the old ones are freed only after it).
-        if let Err(e) = (self.check_budget(total, "compacting host backups"))
-            .and_then(|()| self.room.check(total, self.resident(), "compacting host backups"))
-        {
+        if let Err(e) = (self.check_budget(total, "compacting host backups")).and_then(|()| {
+            self.room
+                .check(total, self.resident(), "compacting host backups")
+        }) {
             log::debug!("backup store: not compacting {total} bytes of host backups: {e}");
             return Ok(());
         }

@@ -189,7 +189,10 @@ impl BackupStore {
     /// awake with its data; a refusal after a release could not.
     pub fn may_release_while_packing(&self, raw: usize) -> bool {
         let worst = raw.saturating_add(raw / 32).saturating_add(PACK_SLACK);
-        match self.room.check(worst, self.resident(), "a compressed sleep at worst") {
+        match self
+            .room
+            .check(worst, self.resident(), "a compressed sleep at worst")
+        {
             Ok(()) => true,
             Err(e) => {
                 log::debug!("compressed sleep: all or nothing, no release while compressing: {e}");

@@ -349,6 +349,10 @@ impl BackupStore {
                     None
                 }
             });
+        let mut host = HostPool::new(driver.clone());
+        // Large buffers no longer wanted go back to the OS on the reclaim thread, off the sleep's or wake's path.
+        host.defer = Some(|job| spill_reclaim::defer(job));
+        let returning = host.returning.clone();
         BackupStore {
             spill,
             ring: None,
@@ -357,7 +361,7 @@ impl BackupStore {
             file_bytes: 0,
             file_stored: 0,
             files: Vec::new(),
-            host: HostPool::new(driver.clone()),
+            host,
             arenas: Vec::new(),
             asleep: HashMap::new(),
             asleep_bytes: 0,
@@ -370,6 +374,7 @@ impl BackupStore {
                 cap: config.host_limit,
                 margin: config.host_margin,
                 reading: crate::host_guard::available,
+                returning,
             },
             budget: config.host_budget,
             compress: config.compress,
@@ -499,7 +504,10 @@ impl BackupStore {
             self.check_budget(total, &refused)?;
         }
         let to_pin = cached.as_ref().map_or(total, |b| b.unpinned_below(total));
-        let held = self.resident() + cached.as_ref().map_or(0, |b| b.len() - b.unpinned_below(b.len()));
+        let held = self.resident()
+            + cached
+                .as_ref()
+                .map_or(0, |b| b.len() - b.unpinned_below(b.len()));
         if let Err(e) = self.room.check(to_pin, held, &refused) {
             if let Some(b) = cached {
                 let _ = self.host.cache(b); // as it was; a refused unpin keeps it cached anyway
@@ -603,7 +611,7 @@ impl BackupStore {
             self.ring = None;
             self.stop_pin_ahead(log);
             self.drop_all_retained(log);
-            self.host.trim()?;
+            self.host.trim_now()?;
         }
         Ok(())
     }
@@ -614,7 +622,7 @@ impl BackupStore {
         self.stop_pin_ahead(log);
         self.drop_all_retained(log);
         let ring = self.ring.take().map_or(0, |r| r.bytes());
-        Ok(self.host.trim()? + ring)
+        Ok(self.host.trim_now()? + ring)
     }
 }
 

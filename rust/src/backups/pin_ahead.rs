@@ -18,6 +18,7 @@ use super::{BackupStore, THREAD_REFUSED};
 use crate::driver::Driver;
 use crate::error::{Error, Result};
 use crate::error_log::ErrorLog;
+use crate::host::returning::Returning;
 use crate::host::HostBuffer;
 use crate::host_guard::{LIMIT_ENV, MARGIN_ENV};
 
@@ -131,16 +132,19 @@ pub(super) struct HostRoom {
     pub margin: usize,
     /// Reads the host's room (`host_guard::available`; a fixed answer in unit tests).
     pub reading: fn() -> Option<usize>,
+    /// Host buffers on their way back to the OS (host/returning.rs): held until they are gone.
+    pub returning: Arc<Returning>,
 }
 
 impl HostRoom {
-    /// What may still be pinned now, if known, while the store holds `held` bytes of host memory (what the host
-    /// reading counts already: only the cap needs telling).
+    /// What may still be pinned now, if known, while the store holds `held` bytes of host memory besides the
+    /// buffers on their way back (what the host reading counts already: only the cap needs telling).
     pub fn available(&self, held: usize) -> Option<usize> {
         let host = match self.driver.host_available() {
             Some(simulated) => Some(simulated),
             None => (self.reading)().map(|a| a.saturating_sub(self.margin)),
         };
+        let held = held + self.returning.bytes();
         [host, self.cap.map(|c| c.saturating_sub(held))]
             .into_iter()
             .flatten()
@@ -150,6 +154,10 @@ impl HostRoom {
     /// Err(OutOfMemory) naming the numbers when pinning `needed` more bytes, beside the `held` the store holds,
     /// would pass what the host can give.
     pub fn check(&self, needed: usize, held: usize, what: &str) -> Result<()> {
+        if self.available(held).is_some_and(|a| needed > a) && self.returning.bytes() > 0 {
+            // Memory on its way back is about to be free: wait for it rather than refuse.
+            self.returning.wait();
+        }
         match self.available(held) {
             Some(available) if needed > available => Err(Error::OutOfMemory {
                 what: format!(
@@ -320,5 +328,52 @@ impl BackupStore {
     pub fn set_pin_chunk(&mut self, chunk: usize, log: &mut ErrorLog) {
         self.stop_pin_ahead(log);
         self.pin_chunk = chunk;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::driver::sim::{SimConfig, SimDriver};
+
+    const M: usize = 1 << 20;
+
+    fn room(cap: Option<usize>) -> HostRoom {
+        HostRoom {
+            driver: Arc::new(SimDriver::new(SimConfig::default()).unwrap()),
+            cap,
+            margin: 256 * M,
+            reading: || Some(1024 * M),
+            returning: Arc::default(),
+        }
+    }
+
+    #[test]
+    fn the_room_is_the_hosts_less_the_margin_and_the_cap_less_what_is_held() {
+        let r = room(None);
+        assert_eq!(r.available(0), Some(768 * M), "the margin is the process's");
+        assert!(r.check(768 * M, 0, "x").is_ok());
+        let e = r.check(768 * M + 1, 0, "a test").unwrap_err().to_string();
+        assert!(
+            e.contains("CUMEM_RS_HOST_MARGIN") && e.contains("a test"),
+            "{e}"
+        );
+        let r = room(Some(100 * M));
+        assert_eq!(
+            r.available(30 * M),
+            Some(70 * M),
+            "the cap bounds what the store holds"
+        );
+        assert_eq!(r.available(200 * M), Some(0));
+        // A simulated machine's own budget is the host's room: no margin (it has no process of its own).
+        let sim = SimDriver::new(SimConfig {
+            host_memory: Some(64 * M),
+            ..SimConfig::default()
+        });
+        let r = HostRoom {
+            driver: Arc::new(sim.unwrap()),
+            ..room(None)
+        };
+        assert_eq!(r.available(0), Some(64 * M));
     }
 }

@@ -204,7 +204,10 @@ impl Placer<'_> {
         let wanted = self.estimate(rest_raw).max(len).max(MIN_ARENA.min(room));
         // Within the host's room, read again at each growth: the estimate may have been short of what the data
         // takes, and what fits is decided by what the host can give now, not by the guess made before.
-        let extra = wanted.min(room).min(self.budget_left()).min(self.room_left());
+        let extra = wanted
+            .min(room)
+            .min(self.budget_left())
+            .min(self.room_left());
         if extra < len {
             return None;
         }

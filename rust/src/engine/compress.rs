@@ -108,7 +108,11 @@ impl Engine {
         // Released under the codec only where no refusal can come after a release: no budget, and the worst
         // the sleep may pin fits the host's room (`may_release_while_packing`).
         let raw_packed: usize = (jobs.iter().map(|j| j.size))
-            .chain(retained.iter().map(|a| inner.reg.get(*a).map_or(0, |a| a.size)))
+            .chain(
+                retained
+                    .iter()
+                    .map(|a| inner.reg.get(*a).map_or(0, |a| a.size)),
+            )
             .sum();
         let may_release = inner.backups.host_budget().is_none()
             && (inner.backups).may_release_while_packing(raw_packed + raw_after);
