@@ -351,7 +351,7 @@ impl BackupStore {
             });
         let mut host = HostPool::new(driver.clone());
         // Large buffers no longer wanted go back to the OS on the reclaim thread, off the sleep's or wake's path.
-        host.defer = Some(|job| spill_reclaim::defer(job));
+        host.defer = Some(spill_reclaim::defer_boxed);
         let returning = host.returning.clone();
         BackupStore {
             spill,

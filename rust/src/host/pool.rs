@@ -10,6 +10,9 @@ use super::HostBuffer;
 use crate::driver::Driver;
 use crate::error::{Error, Result};
 
+/// Runs a job off the caller's thread (the backup store's reclaim thread).
+pub type Defer = fn(Box<dyn FnOnce() + Send>);
+
 /// The host buffer cached for the next sleep: one at most (the largest offered), since a second one would only
 /// hold RAM twice; more only while the driver refuses to unpin one (kept for a later trim rather than leaked).
 pub struct HostPool {
@@ -24,7 +27,7 @@ pub struct HostPool {
     /// Large buffers on their way back to the OS (returning.rs), and how a job is run off the caller's thread
     /// (None: every buffer is returned on the caller's thread).
     pub returning: Arc<Returning>,
-    pub defer: Option<fn(Box<dyn FnOnce() + Send>)>,
+    pub defer: Option<Defer>,
 }
 
 impl HostPool {
