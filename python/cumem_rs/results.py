@@ -197,6 +197,9 @@ class DriverCounts(TypedDict):
     used_bytes: list[int]
     host_registered: int
     host_allocated: int
+    #: Host bytes pinned now (registered plus allocated), and the most pinned at once so far.
+    host_pinned_bytes: int
+    host_peak_pinned_bytes: int
     markers: int
     fingerprint_batches: int
     #: The host codec: ranges compressed (of them stored raw, not shrinking), ranges restored.

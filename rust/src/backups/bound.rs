@@ -85,7 +85,7 @@ impl BackupStore {
     /// pinned whole, as (arena, offset, length). The blobs of compressed backups lie in arenas too: their bytes
     /// are in use like a raw backup's. Copies into an arena are waited for before the call that queued them
     /// returns, so no copy is in flight into a hole.
-    fn holes(&self) -> impl Iterator<Item = (&Arc<HostBuffer>, usize, usize)> {
+    pub(super) fn holes(&self) -> impl Iterator<Item = (&Arc<HostBuffer>, usize, usize)> {
         let mut used: HashMap<usize, Vec<(usize, usize)>> = HashMap::new();
         let backups = (self.asleep.values()).chain(self.retention.backups().map(|(_, b)| b));
         for b in backups {
@@ -97,6 +97,11 @@ impl BackupStore {
                 let ranges = used.entry(Arc::as_ptr(arena) as usize).or_default();
                 ranges.push((offset, len));
             }
+        }
+        // Blobs a sleep placed and has not handed over yet (compressed.rs), and those it keeps.
+        for (arena, offset, len) in &self.placed {
+            let ranges = used.entry(Arc::as_ptr(arena) as usize).or_default();
+            ranges.push((*offset, *len));
         }
         // Bytes that live views show stay as they are (view.rs).
         for (arena, offset, len) in self.views.ranges() {
@@ -215,11 +220,13 @@ impl BackupStore {
         if total == 0 {
             return Ok(());
         }
-        // The new arena sits beside the old ones until the move is done: not past the host budget.
-        if self.check_budget(total, "compacting host backups").is_err() {
-            log::debug!(
-                "backup store: not compacting {total} bytes of host backups: past the host budget"
-            );
+        // The new arena sits beside the old ones until the move is done: not past the host budget, nor past what
+        // the host can give (the old ones are freed only after it).
+        if let Err(e) = (self.check_budget(total, "compacting host backups")).and_then(|()| {
+            self.room
+                .check(total, self.resident(), "compacting host backups")
+        }) {
+            log::debug!("backup store: not compacting {total} bytes of host backups: {e}");
             return Ok(());
         }
         // A new buffer of exactly their size: a cached spare taken for it would become an arena with a hole of

@@ -21,6 +21,7 @@ use std::cell::RefCell;
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 
+use super::blob_reuse::Reuse;
 use super::placer::Placer;
 use super::{Backup, BackupStore, Place};
 use crate::driver::codec::{DataKind, RestoreItem, Stored};
@@ -35,6 +36,10 @@ pub use super::placer::MAX_RANGE;
 
 /// The ratio assumed before any sleep measured one (bf16 weights: ~0.67; worse data grows the first arena).
 pub(super) const FIRST_RATIO_GUESS: f64 = 0.67;
+
+/// Host bytes a compressed sleep may pin past the raw bytes at worst, besides a thirty-second of them (the ends of
+/// pinned pieces a blob did not fit): a first arena's room to grow and a few minimum-size arenas.
+const PACK_SLACK: usize = 16 << 20;
 
 /// Context of a blob arena that could not grow in place (a new arena took the rest of the blobs).
 const GROW_FAILED: &str =
@@ -175,6 +180,28 @@ impl BackupStore {
         (raw as f64 * self.ratio_guess * 1.05).min(raw as f64) as usize
     }
 
+    /// Whether a compressed sleep of `raw` bytes (those the codec takes, fresh and retained, and those the same
+    /// sleep copies raw after it) may release each allocation as soon as its backup is complete, the codec still
+    /// running on others. Only where all the sleep may come to pin at worst fits the host's room now: every chunk
+    /// stored raw (blob arenas up to the raw bytes, with the slack of piece ends and small arenas), or a raw
+    /// fallback of what the codec did not finish beside the blobs of what it did. Otherwise the codec's backups
+    /// are all or nothing, each arena and growth checked against the room as it comes (the estimate is a guess:
+    /// data that compresses as expected fits where its raw bytes would not), and a refusal leaves every allocation
+    /// awake with its data; a refusal after a release could not.
+    pub fn may_release_while_packing(&self, raw: usize) -> bool {
+        let worst = raw.saturating_add(raw / 32).saturating_add(PACK_SLACK);
+        match self
+            .room
+            .check(worst, self.resident(), "a compressed sleep at worst")
+        {
+            Ok(()) => true,
+            Err(e) => {
+                log::debug!("compressed sleep: all or nothing, no release while compressing: {e}");
+                false
+            }
+        }
+    }
+
     /// Whether this sleep copies `addr` raw without trying the codec: its last compressed backup kept no chunk
     /// compressed (incompressible.rs). Counts the sleep.
     pub fn skips_codec(&mut self, addr: DevPtr) -> bool {
@@ -283,7 +310,19 @@ impl BackupStore {
             }
         }
         let ratio = self.ratio_guess;
-        let mut placer = Placer::new(self, ratio, raw_after);
+        // The blobs of changed chunks of the retained backups are dead: their bytes (with the holes beside them)
+        // take new blobs first. From here on they may be overwritten: the retained backups are this sleep's, the
+        // blobs of their unchanged chunks in use by the new backups (blob_reuse.rs).
+        self.retention.drop(retained);
+        let changed: std::collections::HashSet<(usize, usize)> =
+            todo.values().flatten().copied().collect();
+        for (n, (.., old)) in all.iter().enumerate() {
+            let Some(old) = old else { continue };
+            let kept = (old.blob_ranges().enumerate()).filter(|(i, _)| !changed.contains(&(n, *i)));
+            (self.placed).extend(kept.map(|(_, (a, off, len))| (a.clone(), off, len)));
+        }
+        let reuse = Reuse::of(self.holes());
+        let mut placer = Placer::new(self, ratio, raw_after, reuse);
         // Raw bytes of the ranges given to the codec.
         let mut raw_compressed = 0;
         // (arena index, offset, stored) of each compressed chunk.
@@ -309,7 +348,7 @@ impl BackupStore {
                     let (a, off) = placer.place(len, ranges[i].1, rest)?;
                     rest = rest.saturating_sub(ranges[i].1);
                     places.borrow_mut().push((a, off));
-                    Ok(placer.arenas[a].at(off))
+                    Ok(placer.at(a, off))
                 },
                 &mut |k, stored| {
                     let &(a, off) = places.borrow().get(k).ok_or_else(|| {
@@ -355,9 +394,11 @@ impl BackupStore {
         for e in std::mem::take(&mut placer.grow_failures) {
             log.record(GROW_FAILED, &e);
         }
-        let arenas: Vec<Arc<HostBuffer>> = (placer.finish(log).into_iter())
-            .map(|a| self.adopt(a, log))
-            .collect();
+        let (reused, new) = placer.finish(log);
+        let new: Vec<Arc<HostBuffer>> = (new.into_iter()).map(|a| self.adopt(a, log)).collect();
+        // The arenas this sleep took, for the spare the bound allows (below).
+        let taken: usize = new.iter().map(|a| a.len()).sum();
+        let arenas: Vec<Arc<HostBuffer>> = reused.into_iter().chain(new).collect();
         // Under a budget, the host cache may now hold past it beside the arenas (the arena `finish` shrank, or
         // one too large to take, went back to it): returned, so that `held()` stays within the budget.
         if self.budget.is_some_and(|b| self.held() > b) {
@@ -417,12 +458,15 @@ impl BackupStore {
                 skipped_bytes,
             });
         }
+        // In use until the sleep is over: no raw backup of this sleep goes into a hole over them (`placed`).
+        for p in out.backups.iter().filter_map(|one| one.backup.packed()) {
+            (self.placed).extend(p.blob_ranges().map(|(a, off, len)| (a.clone(), off, len)));
+        }
         // The spare arena the bound lets the store keep for the next sleep (bound.rs): as large as the arenas this
         // sleep took for its blobs (those of unchanged retained chunks were made before), at most their raw bytes.
         // Not the blobs' bytes: the arena holds a few percent more (its estimate's slack), and a spare bound below
         // it had every wake unpin it and the next sleep pin a new one (H200, 15 GiB of bf16: 250 ms at the wake,
         // 480 ms at the sleep). An arena grown in place may pass the raw bytes by the pieces' ends left unused.
-        let taken: usize = arenas.iter().map(|a| a.len()).sum();
         self.largest = self.largest.max(taken.min(raw_compressed + skipped));
         // The next sleep's guess, from the backups that will go through the codec again: not those it could not
         // shrink at all, which skip it from now on (counted in, 15 GiB of random bytes beside a few compressible
@@ -565,9 +609,11 @@ impl BackupStore {
                     });
             }
         }
+        // Beside the old arenas until the move is done: within the budget and the host's room.
+        let what = "compacting compressed backups";
         if total == 0
-            || self
-                .check_budget(total, "compacting compressed backups")
+            || (self.check_budget(total, what))
+                .and_then(|()| self.room.check(total, self.resident(), what))
                 .is_err()
         {
             return Ok(());

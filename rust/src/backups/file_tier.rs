@@ -482,8 +482,11 @@ impl BackupStore {
             return Ok(r.clone());
         }
         let (slot, slots) = StagingRing::shape(self.staging_bytes);
-        self.room
-            .check(slot * slots, "the file tier's staging ring, refused,")?;
+        (self.room).check(
+            slot * slots,
+            self.resident(),
+            "the file tier's staging ring, refused,",
+        )?;
         let (ring, fallback) = StagingRing::new(&self.driver, self.staging_bytes)?;
         if let Some(e) = fallback {
             log.record(
@@ -596,7 +599,7 @@ impl BackupStore {
     /// being refused; or, under a budget, the largest hole of an arena in use (bound.rs), if that is more.
     fn host_room(&self, ring: usize) -> usize {
         let guard = (self.spill.is_some())
-            .then(|| self.room.available())
+            .then(|| self.room.available(self.resident()))
             .flatten()
             .map(|a| {
                 a.saturating_add(self.host.cached_pinned_bytes())

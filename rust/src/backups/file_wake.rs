@@ -279,6 +279,7 @@ mod tests {
             fingerprint_chunk: GRAN,
             pin_chunk: GRAN,
             host_limit: None,
+            host_margin: crate::host_guard::DEFAULT_MARGIN,
             host_budget: Some(0),
             spill_dir: Some(dir.clone()),
             compress: false,

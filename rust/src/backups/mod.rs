@@ -15,6 +15,7 @@
 //! Every method that cannot raise what went wrong (a fallback taken, a release refused) records it in the
 //! caller's `ErrorLog`.
 
+mod blob_reuse;
 mod bound;
 mod budget;
 mod compressed;
@@ -269,8 +270,10 @@ pub struct StoreConfig {
     pub fingerprint_chunk: usize,
     /// Cell size of pipelined pinning.
     pub pin_chunk: usize,
-    /// A cap on the host memory pinned for backups, besides what the driver says the host can give.
+    /// A cap on the host memory held for backups, besides what the host can give (`CUMEM_RS_HOST_MEMORY_LIMIT`).
     pub host_limit: Option<usize>,
+    /// Bytes of the host's room kept for the process itself (`CUMEM_RS_HOST_MARGIN`).
+    pub host_margin: usize,
     /// A cap on the host memory held for backups at any time (budget.rs).
     pub host_budget: Option<usize>,
     /// The spill directory of the file tier (file_tier.rs), if any.
@@ -321,6 +324,9 @@ pub struct BackupStore {
     incompressible: incompressible::Incompressible,
     /// The prints of asleep raw backups and what wakes found wrong (verify.rs).
     verify: verify::Verification,
+    /// Blob ranges a compressed sleep placed or keeps and has not handed over to kept backups yet: in use for the
+    /// holes (bound.rs) until the sleep's `collect_unused` (blob_reuse.rs).
+    placed: Vec<(Arc<HostBuffer>, usize, usize)>,
 }
 
 /// Record what pinning absorbed: registrations the driver's own allocation served, and worker threads that could
@@ -350,6 +356,10 @@ impl BackupStore {
                     None
                 }
             });
+        let mut host = HostPool::new(driver.clone());
+        // Large buffers no longer wanted go back to the OS on the reclaim thread, off the sleep's or wake's path.
+        host.defer = Some(spill_reclaim::defer_boxed);
+        let returning = host.returning.clone();
         BackupStore {
             spill,
             ring: None,
@@ -358,7 +368,7 @@ impl BackupStore {
             file_bytes: 0,
             file_stored: 0,
             files: Vec::new(),
-            host: HostPool::new(driver.clone()),
+            host,
             arenas: Vec::new(),
             asleep: HashMap::new(),
             asleep_bytes: 0,
@@ -369,6 +379,9 @@ impl BackupStore {
             room: HostRoom {
                 driver: driver.clone(),
                 cap: config.host_limit,
+                margin: config.host_margin,
+                reading: crate::host_guard::available,
+                returning,
             },
             budget: config.host_budget,
             compress: config.compress,
@@ -377,6 +390,7 @@ impl BackupStore {
             views: view::Views::default(),
             incompressible: Default::default(),
             verify: verify::Verification::new(config.verify_wake),
+            placed: Vec::new(),
             driver,
         }
     }
@@ -500,7 +514,11 @@ impl BackupStore {
             self.check_budget(total, &refused)?;
         }
         let to_pin = cached.as_ref().map_or(total, |b| b.unpinned_below(total));
-        if let Err(e) = self.room.check(to_pin, &refused) {
+        let held = self.resident()
+            + cached
+                .as_ref()
+                .map_or(0, |b| b.len() - b.unpinned_below(b.len()));
+        if let Err(e) = self.room.check(to_pin, held, &refused) {
             if let Some(b) = cached {
                 let _ = self.host.cache(b); // as it was; a refused unpin keeps it cached anyway
             }
@@ -526,6 +544,7 @@ impl BackupStore {
     /// Arenas no backup points into any more go back to the host pool; then the host memory held is brought
     /// back within its bound (bound.rs).
     pub fn collect_unused(&mut self, log: &mut ErrorLog) {
+        self.placed.clear(); // the sleep that placed them is over: its backups are kept or dropped
         self.punch_released();
         self.give_back_unused(log);
         self.bound(log);
@@ -560,6 +579,16 @@ impl BackupStore {
         self.arena_bytes() + self.host.cached_bytes() + self.pin_ahead_bytes()
     }
 
+    /// Host bytes the store holds in memory now, what a memory cgroup charges it for: arenas in use, the pinned
+    /// part of the cached ones and of the one being pinned ahead, the staging ring. The host guard's cap
+    /// (`CUMEM_RS_HOST_MEMORY_LIMIT`) bounds it.
+    pub(super) fn resident(&self) -> usize {
+        self.arena_bytes()
+            + self.host.cached_pinned_bytes()
+            + self.pin_ahead_pinned()
+            + self.staging_held()
+    }
+
     /// Host bytes of the arenas backups point into.
     pub fn arena_bytes(&self) -> usize {
         self.arenas.iter().map(|a| a.len()).sum()
@@ -592,7 +621,7 @@ impl BackupStore {
             self.ring = None;
             self.stop_pin_ahead(log);
             self.drop_all_retained(log);
-            self.host.trim()?;
+            self.host.trim_now()?;
         }
         Ok(())
     }
@@ -603,7 +632,7 @@ impl BackupStore {
         self.stop_pin_ahead(log);
         self.drop_all_retained(log);
         let ring = self.ring.take().map_or(0, |r| r.bytes());
-        Ok(self.host.trim()? + ring)
+        Ok(self.host.trim_now()? + ring)
     }
 }
 
@@ -627,6 +656,7 @@ mod tests {
             fingerprint_chunk: GRAN,
             pin_chunk: GRAN,
             host_limit: None,
+            host_margin: crate::host_guard::DEFAULT_MARGIN,
             host_budget: None,
             spill_dir: None,
             compress: false,

@@ -18,8 +18,9 @@ use super::{BackupStore, THREAD_REFUSED};
 use crate::driver::Driver;
 use crate::error::{Error, Result};
 use crate::error_log::ErrorLog;
+use crate::host::returning::Returning;
 use crate::host::HostBuffer;
-use crate::host_guard::LIMIT_ENV;
+use crate::host_guard::{LIMIT_ENV, MARGIN_ENV};
 
 /// Context of the errors a worker recorded.
 const PIN_AHEAD: &str = "pinning host memory ahead of the next sleep";
@@ -40,14 +41,15 @@ pub(super) struct Worker {
 }
 
 impl Worker {
-    fn start(room: HostRoom, mut buf: HostBuffer, cell: usize) -> Result<Worker> {
+    /// A worker pinning `buf` in cells of `cell` bytes, the store holding `held` bytes of host memory beside it.
+    fn start(room: HostRoom, held: usize, mut buf: HostBuffer, cell: usize) -> Result<Worker> {
         let stop = Arc::new(AtomicBool::new(false));
         let progress = Arc::new(AtomicUsize::new(0));
         let len = buf.len();
         let (flag, done) = (stop.clone(), progress.clone());
         let body = move || {
             let mut errors = Vec::new();
-            if let Err(e) = pin_rest(&room, &mut buf, cell, &flag, &done) {
+            if let Err(e) = pin_rest(&room, held, &mut buf, cell, &flag, &done) {
                 errors.push((PIN_AHEAD, e));
             }
             errors.extend(
@@ -88,9 +90,12 @@ impl Drop for Worker {
 
 /// Pin the cells (of `cell` bytes, from the start) of `buf` that are not pinned yet, in order, until `stop` is
 /// set, storing in `done` the bytes from the start that are pinned. Stops at the first cell that does not fit in
-/// the host memory available or that the driver refuses, with that error (the cells before it stay pinned).
+/// the host memory available (the store holding `held` bytes beside `buf`) or that the driver refuses, with that
+/// error (the cells before it stay pinned). Each cell is checked before its pages are touched: touching is what a
+/// memory cgroup charges, so the check comes first or the kernel may kill the process during the touch.
 fn pin_rest(
     room: &HostRoom,
+    held: usize,
     buf: &mut HostBuffer,
     cell: usize,
     stop: &AtomicBool,
@@ -101,8 +106,10 @@ fn pin_rest(
     while off < len && !stop.load(Ordering::Acquire) {
         let n = cell.min(len - off);
         if !buf.is_pinned_at(off) {
+            let pinned = len - buf.unpinned_below(len);
             room.check(
                 n,
+                held + pinned,
                 &format!("pinning ahead (bytes {off}..{} of {len})", off + n),
             )?;
             buf.pin(off, n)?;
@@ -113,29 +120,52 @@ fn pin_rest(
     Ok(())
 }
 
-/// What the host can still give to pinning: the driver's answer (`Driver::host_available`) and the configured cap.
+/// What the host can still give to pinning: the room the host leaves (on a simulated machine the driver's
+/// answer, `Driver::host_available`; else `crate::host_guard::available`, MemAvailable and the memory cgroups, less
+/// a margin for the process itself) and the configured cap less what the store holds.
 #[derive(Clone)]
 pub(super) struct HostRoom {
     pub driver: Arc<dyn Driver>,
+    /// `CUMEM_RS_HOST_MEMORY_LIMIT`: the most host memory the store may hold (pinned or being returned).
     pub cap: Option<usize>,
+    /// Bytes of the host's room kept for the process itself (`CUMEM_RS_HOST_MARGIN`).
+    pub margin: usize,
+    /// Reads the host's room (`host_guard::available`; a fixed answer in unit tests).
+    pub reading: fn() -> Option<usize>,
+    /// Host buffers on their way back to the OS (host/returning.rs): held until they are gone.
+    pub returning: Arc<Returning>,
 }
 
 impl HostRoom {
-    /// What may still be pinned now, if known: the least of the driver's answer and the cap.
-    pub fn available(&self) -> Option<usize> {
-        [self.driver.host_available(), self.cap]
+    /// What may still be pinned now, if known, while the store holds `held` bytes of host memory besides the
+    /// buffers on their way back (what the host reading counts already: only the cap needs telling).
+    pub fn available(&self, held: usize) -> Option<usize> {
+        let host = match self.driver.host_available() {
+            Some(simulated) => Some(simulated),
+            None => (self.reading)().map(|a| a.saturating_sub(self.margin)),
+        };
+        let held = held + self.returning.bytes();
+        [host, self.cap.map(|c| c.saturating_sub(held))]
             .into_iter()
             .flatten()
             .min()
     }
 
-    /// Err(OutOfMemory) naming both numbers when pinning `needed` more bytes would pass what the host can give.
-    pub fn check(&self, needed: usize, what: &str) -> Result<()> {
-        match self.available() {
+    /// Err(OutOfMemory) naming the numbers when pinning `needed` more bytes, beside the `held` the store holds,
+    /// would pass what the host can give.
+    pub fn check(&self, needed: usize, held: usize, what: &str) -> Result<()> {
+        if self.available(held).is_some_and(|a| needed > a) && self.returning.bytes() > 0 {
+            // Memory on its way back is about to be free: wait for it rather than refuse.
+            self.returning.wait();
+        }
+        match self.available(held) {
             Some(available) if needed > available => Err(Error::OutOfMemory {
                 what: format!(
-                    "{what} needs {needed} bytes of host memory but only {available} bytes are available \
-                     (the least of MemAvailable, the cgroup's limit and {LIMIT_ENV})"
+                    "{what} needs {needed} bytes of host memory but only {available} bytes are available (the \
+                     least of MemAvailable and the memory cgroups' room less {} bytes kept for the process \
+                     ({MARGIN_ENV}), and {LIMIT_ENV}{} less the {held} bytes of host memory held for backups)",
+                    self.margin,
+                    self.cap.map_or(" (unset)".to_string(), |c| format!("={c}")),
                 ),
             }),
             _ => Ok(()),
@@ -167,7 +197,13 @@ impl BackupStore {
         for (context, e) in &out.errors {
             log.record(context, e);
         }
-        if let Err(e) = self.host.cache(out.buf) {
+        let mut buf = out.buf;
+        if (out.errors.iter()).any(|(_, e)| matches!(e, Error::OutOfMemory { .. })) {
+            // Stopped at the host's room: the buffer ends at its pinned cells (the rest is address space, left as
+            // room to grow), so that what it is counted as holding is what it holds.
+            buf.cut_unpinned_tail();
+        }
+        if let Err(e) = self.host.cache(buf) {
             log.record("returning cached host backup memory", &e);
         }
     }
@@ -213,7 +249,7 @@ impl BackupStore {
         let started = self
             .driver
             .thread_spawn()
-            .and_then(|()| Worker::start(self.room.clone(), buf, self.pin_chunk));
+            .and_then(|()| Worker::start(self.room.clone(), self.resident(), buf, self.pin_chunk));
         match started {
             Ok(w) => self.pin_ahead = Some(w),
             // No background work: the next sleep pins as it would have without it.
@@ -244,15 +280,19 @@ impl BackupStore {
         self.check_budget(len, &what)?;
         let Some(mut buf) = self.host.take_cached(len) else {
             self.host.trim()?;
-            self.room.check(len, &what)?;
+            self.room.check(len, self.resident(), &what)?;
             return self.host.reserve(len);
         };
         let rest = buf.unpinned_below(buf.len());
         let (stop, done) = (AtomicBool::new(false), AtomicUsize::new(0));
-        let pinned = (self.room.check(rest, &what))
-            .and_then(|()| pin_rest(&self.room, &mut buf, self.pin_chunk, &stop, &done));
+        let base = self.resident();
+        let pinned = (self.room.check(rest, base + (buf.len() - rest), &what))
+            .and_then(|()| pin_rest(&self.room, base, &mut buf, self.pin_chunk, &stop, &done));
         let notes = std::mem::take(&mut buf.notes);
         self.host.notes.extend(notes);
+        if matches!(pinned, Err(Error::OutOfMemory { .. })) {
+            buf.cut_unpinned_tail(); // held as what it holds (see `stop_pin_ahead`)
+        }
         // Cached even after a failure: its pinned cells serve the next sleep.
         self.host.cache(buf)?;
         pinned
@@ -274,6 +314,11 @@ impl BackupStore {
         self.pin_ahead.as_ref().map_or(0, |w| w.len)
     }
 
+    /// Bytes the worker has pinned so far.
+    pub(super) fn pin_ahead_pinned(&self) -> usize {
+        (self.pin_ahead.as_ref()).map_or(0, |w| w.progress.load(Ordering::Acquire))
+    }
+
     pub fn pin_chunk(&self) -> usize {
         self.pin_chunk
     }
@@ -283,5 +328,52 @@ impl BackupStore {
     pub fn set_pin_chunk(&mut self, chunk: usize, log: &mut ErrorLog) {
         self.stop_pin_ahead(log);
         self.pin_chunk = chunk;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::driver::sim::{SimConfig, SimDriver};
+
+    const M: usize = 1 << 20;
+
+    fn room(cap: Option<usize>) -> HostRoom {
+        HostRoom {
+            driver: Arc::new(SimDriver::new(SimConfig::default()).unwrap()),
+            cap,
+            margin: 256 * M,
+            reading: || Some(1024 * M),
+            returning: Arc::default(),
+        }
+    }
+
+    #[test]
+    fn the_room_is_the_hosts_less_the_margin_and_the_cap_less_what_is_held() {
+        let r = room(None);
+        assert_eq!(r.available(0), Some(768 * M), "the margin is the process's");
+        assert!(r.check(768 * M, 0, "x").is_ok());
+        let e = r.check(768 * M + 1, 0, "a test").unwrap_err().to_string();
+        assert!(
+            e.contains("CUMEM_RS_HOST_MARGIN") && e.contains("a test"),
+            "{e}"
+        );
+        let r = room(Some(100 * M));
+        assert_eq!(
+            r.available(30 * M),
+            Some(70 * M),
+            "the cap bounds what the store holds"
+        );
+        assert_eq!(r.available(200 * M), Some(0));
+        // A simulated machine's own budget is the host's room: no margin (it has no process of its own).
+        let sim = SimDriver::new(SimConfig {
+            host_memory: Some(64 * M),
+            ..SimConfig::default()
+        });
+        let r = HostRoom {
+            driver: Arc::new(sim.unwrap()),
+            ..room(None)
+        };
+        assert_eq!(r.available(0), Some(64 * M));
     }
 }

@@ -9,7 +9,11 @@
 //! what the host can still pin first. `finish` moves a small last arena that is mostly unused into one of its
 //! exact size.
 
+use std::sync::Arc;
+
+use super::blob_reuse::Reuse;
 use super::BackupStore;
+use crate::driver::HostPtr;
 use crate::error::{Error, Result};
 use crate::error_log::ErrorLog;
 use crate::host::HostBuffer;
@@ -33,8 +37,9 @@ const MAX_ARENA: usize = 256 << 20;
 /// little, and data that compresses worse grows the arena in place (`grow_last`: pinning the few percent more
 /// costs milliseconds). Kept small because the arena outlives the sleep: the next ones reuse it as it is, so its
 /// slack is host memory held at every cycle (H200, bf16 weights: 3% over the first guess held 0.711x of the raw
-/// bytes for blobs of about 0.67x).
-const ESTIMATE_SLACK: f64 = 1.01;
+/// bytes for blobs of about 0.67x). Two hundredths: one for the room each blob is given (`padded`), one for the
+/// estimate.
+const ESTIMATE_SLACK: f64 = 1.02;
 
 /// Address space a sleep's first arena reserves beyond the raw bytes it may hold: each growth in place starts a
 /// new pinned piece, and the blob that did not fit the end of the last one leaves up to a range unused there.
@@ -43,6 +48,13 @@ const GROW_SLACK: usize = 4 * MAX_RANGE;
 /// A cached arena is taken when it is at most this much larger than what the placer asks for; a larger one is
 /// returned to the OS first (holding it beside a new arena would double the RAM, using it would hold its size).
 const CACHED_SLACK: f64 = 1.06;
+
+/// The room each blob is given past its bytes, a hundredth (the arena's `ESTIMATE_SLACK`, spread over its blobs
+/// instead of left at its end): when the chunk changes, its next blob, of about the same size, takes the place of
+/// this one (blob_reuse.rs) even when it is a little larger, instead of going to a new arena.
+pub(super) fn padded(len: usize) -> usize {
+    len + (len / 100).next_multiple_of(64)
+}
 
 /// Context of a failure to pin the buffer a sleep's last blob arena was to move into (it stayed as it was).
 const FINISH_KEPT: &str = "moving a blob arena into one of its used size (it was kept as it is)";
@@ -66,11 +78,19 @@ pub(super) struct Placer<'s> {
     /// Raw bytes the same sleep copies raw after the blobs (allocations that do not compress): a cached buffer
     /// of that size is left to those copies instead of being returned to the OS.
     for_raw: usize,
+    /// The dead blob bytes of retained backups, which take blobs before any arena is taken (blob_reuse.rs). Their
+    /// arenas come first in the index `place` answers; the arenas taken here after them.
+    reuse: Reuse,
 }
 
 impl<'s> Placer<'s> {
     /// A placer for one sleep's blobs, sizing arenas by `ratio` (stored of raw bytes) until its blobs say worse.
-    pub(super) fn new(store: &'s mut BackupStore, ratio: f64, for_raw: usize) -> Placer<'s> {
+    pub(super) fn new(
+        store: &'s mut BackupStore,
+        ratio: f64,
+        for_raw: usize,
+        reuse: Reuse,
+    ) -> Placer<'s> {
         Placer {
             store,
             arenas: Vec::new(),
@@ -82,19 +102,33 @@ impl<'s> Placer<'s> {
             skipped: 0,
             grow_failures: Vec::new(),
             for_raw,
+            reuse,
         }
     }
 }
 
 impl Placer<'_> {
+    /// Address of byte `offset` of arena `a` of the index `place` answers.
+    pub(super) fn at(&self, a: usize, offset: usize) -> HostPtr {
+        match a.checked_sub(self.reuse.arenas.len()) {
+            None => self.reuse.arenas[a].at(offset),
+            Some(k) => self.arenas[k].at(offset),
+        }
+    }
+
     /// A place for a blob of `len` bytes of a range of `raw` bytes; `rest_raw` raw bytes (this one's included)
-    /// are still to be placed.
+    /// are still to be placed. (arena index, offset): the arenas of dead blobs first, then those taken here.
     pub(super) fn place(
         &mut self,
         len: usize,
         raw: usize,
         rest_raw: usize,
     ) -> Result<(usize, usize)> {
+        if let Some(at) = self.reuse.place(len) {
+            self.placed_raw += raw;
+            self.placed_stored += len;
+            return Ok(at);
+        }
         let (arenas_before, used_before) = (self.arenas.len(), self.used);
         let at = match self.fit(len).or_else(|| self.grow_last(len, rest_raw)) {
             Some(at) => at,
@@ -113,10 +147,11 @@ impl Placer<'_> {
         if self.arenas.len() == arenas_before {
             self.skipped += at - used_before; // the end of a piece too short for this blob
         }
-        self.used = at + len;
+        // The next blob starts after this one's room, where it is in the arena (the last one's may be cut short).
+        self.used = (at + padded(len)).min(self.arenas.last().map_or(0, |a| a.len()));
         self.placed_raw += raw;
         self.placed_stored += len;
-        Ok((self.arenas.len() - 1, at))
+        Ok((self.reuse.arenas.len() + self.arenas.len() - 1, at))
     }
 
     /// The ratio to size what is still to be placed by: the guess, or what this sleep's blobs so far show when
@@ -129,14 +164,32 @@ impl Placer<'_> {
     }
 
     /// Host bytes the blobs of `rest_raw` raw bytes are estimated to take, with the slack: never more than the raw
-    /// bytes (no blob is larger than its range: one that would not shrink is stored raw).
+    /// bytes (no blob is larger than its range: one that would not shrink is stored raw), less the dead blob bytes
+    /// still to take them.
     fn estimate(&self, rest_raw: usize) -> usize {
-        ((rest_raw as f64 * self.rest_ratio() * ESTIMATE_SLACK) as usize).min(rest_raw)
+        let all = ((rest_raw as f64 * self.rest_ratio() * ESTIMATE_SLACK) as usize).min(rest_raw);
+        all.saturating_sub(self.reuse.left())
     }
 
     /// Bytes the host budget leaves for further arenas or growth (unbounded without a budget).
     fn budget_left(&self) -> usize {
         (self.store.budget_room()).map_or(usize::MAX, |room| room.saturating_sub(self.taken))
+    }
+
+    /// Host bytes held now: the store's, and the arenas this placer took (not the store's until the sleep adopts
+    /// them).
+    fn resident(&self) -> usize {
+        let mine: usize = (self.arenas.iter())
+            .map(|a| a.len() - a.unpinned_below(a.len()))
+            .sum();
+        self.store.resident() + mine
+    }
+
+    /// Bytes the host RAM guard lets this sleep pin now (unbounded when the host's room cannot be read).
+    fn room_left(&self) -> usize {
+        (self.store.room)
+            .available(self.resident())
+            .unwrap_or(usize::MAX)
     }
 
     /// Grow the last arena in place for the rest of the blobs, the first of which takes `len` (data compressing
@@ -149,11 +202,15 @@ impl Placer<'_> {
         let last = self.arenas.last()?;
         let room = last.room_to_grow();
         let wanted = self.estimate(rest_raw).max(len).max(MIN_ARENA.min(room));
-        let extra = wanted.min(room).min(self.budget_left());
+        // Within the host's room, read again at each growth: the estimate may have been short of what the data
+        // takes, and what fits is decided by what the host can give now, not by the guess made before.
+        let extra = wanted
+            .min(room)
+            .min(self.budget_left())
+            .min(self.room_left());
         if extra < len {
             return None;
         }
-        self.store.room.check(extra, "").ok()?;
         let t = std::time::Instant::now();
         if let Err(e) = self.arenas.last_mut()?.grow(extra) {
             self.grow_failures.push(e);
@@ -188,9 +245,18 @@ impl Placer<'_> {
         .max(len);
         match self.store.host.take_cached_or_growable(size) {
             Some(mut b) if b.len() <= cached_fits(size) && holds_blobs(&b) => {
-                // Pinned ahead in part (in cells): the rest is pinned now, each gap as one piece. A little short of
-                // the estimate (the ratio moved): `grow_last` grows it in place once its bytes are used, as it grows
-                // any first arena.
+                // Pinned ahead in part (in cells): the rest is pinned now, each gap as one piece, where the host's
+                // room allows it; where not, the buffer ends at its pinned cells and grows (checked) as needed. A
+                // little short of the estimate (the ratio moved): `grow_last` grows it in place once its bytes are
+                // used, as it grows any first arena.
+                let unpinned = b.unpinned_below(b.len());
+                let held = self.resident() + (b.len() - unpinned);
+                if let Err(e) = self.store.room.check(unpinned, held, REFUSED) {
+                    if !b.cut_unpinned_tail() {
+                        let _ = self.store.host.cache(b);
+                        return Err(e);
+                    }
+                }
                 if let Err(e) = b.pin_gaps() {
                     let _ = self.store.host.cache(b);
                     return Err(e);
@@ -215,9 +281,11 @@ impl Placer<'_> {
         }
         // Under a budget, no more than the room it leaves (a minimum-size arena for a few small blobs must not
         // refuse what fits).
-        let size = size.min(self.budget_left()).max(len);
+        // Within the host's room too: data that compresses better than the guess then fits where the guess would
+        // not, and data that compresses worse grows the arena only after the room is checked again.
+        let size = size.min(self.budget_left()).min(self.room_left()).max(len);
         self.store.check_budget(self.taken + size, REFUSED)?;
-        self.store.room.check(size, REFUSED)?;
+        self.store.room.check(size, self.resident(), REFUSED)?;
         let t = std::time::Instant::now();
         let buf = match first {
             true if size >= GROW_MIN_ARENA => {
@@ -267,7 +335,13 @@ impl Placer<'_> {
     /// The arenas, the last one moved into a buffer of the bytes it uses when more than an eighth of it is
     /// unused (host bytes held = stored bytes, within that slack). A failure to pin that buffer keeps the arena
     /// as it is, and a failure to return the old one leaves it to the pool; both are recorded in `log`.
-    pub(super) fn finish(mut self, log: &mut ErrorLog) -> Vec<HostBuffer> {
+    /// First: the arenas of dead blobs that took new ones (as they are).
+    pub(super) fn finish(mut self, log: &mut ErrorLog) -> (Vec<Arc<HostBuffer>>, Vec<HostBuffer>) {
+        let reused = std::mem::take(&mut self.reuse.arenas);
+        (reused, self.finish_new(log))
+    }
+
+    fn finish_new(mut self, log: &mut ErrorLog) -> Vec<HostBuffer> {
         let Some(last) = self.arenas.last() else {
             return self.arenas;
         };
@@ -278,6 +352,11 @@ impl Placer<'_> {
         // (two of them filled a budget of two granules, and the next sleep of those allocations fell back to raw
         // copies).
         if used == 0 || used > MAX_ARENA || len - used <= len / 8 {
+            return self.arenas;
+        }
+        // The exact buffer is pinned beside the old one for the move: only where the host's room allows it.
+        if let Err(e) = self.store.room.check(used, self.resident(), FINISH_KEPT) {
+            log::debug!("compressed sleep: {e}");
             return self.arenas;
         }
         let mut exact = match self.store.host.pin_new(used) {

@@ -1,4 +1,4 @@
-//! Giving spill-file disk blocks back off the caller's thread.
+//! Giving spill-file disk blocks back off the caller's thread (and large host buffers: host/returning.rs).
 //!
 //! Closing the last descriptor of an unlinked spill file makes the file system free its blocks then and there:
 //! measured on the GPU host, 1.0-1.2 s for a 3.9 GiB file, at the end of the wake that dropped its last backup
@@ -108,6 +108,11 @@ pub fn defer(job: impl FnOnce() + Send + 'static) {
         }
     };
     job();
+}
+
+/// `defer` of a boxed job: the host pool's way off the caller's thread (host/returning.rs).
+pub fn defer_boxed(job: Box<dyn FnOnce() + Send>) {
+    defer(job);
 }
 
 /// Wait until every job deferred so far has run (those they defer in turn included).

@@ -278,11 +278,11 @@ pub trait Driver: Send + Sync {
         Ok(())
     }
 
-    /// Bytes of host memory that can still be pinned now, if known: the engine refuses to pin past it rather
-    /// than let the OS kill the process. This is a fact of the machine, not of the driver, so the default asks
-    /// the host (`crate::host_guard`); the simulated driver answers from its configured host budget instead.
+    /// Bytes of host memory a simulated machine can still pin (its configured host budget), or None: a real
+    /// machine, whose room is a fact of the host, not of the driver, so the backup store reads the host itself
+    /// (`crate::host_guard`) and keeps a margin for the process out of it.
     fn host_available(&self) -> Option<usize> {
-        crate::host_guard::available()
+        None
     }
 }
 

@@ -124,6 +124,8 @@ pub struct SimCounts {
     pub used_bytes: Vec<usize>,
     pub host_registered: usize,
     pub host_allocated: usize,
+    /// Host bytes pinned now (registered plus allocated), and the most pinned at once so far.
+    pub host_pinned: (usize, usize),
     pub markers: usize,
     /// Fingerprint batches queued and not taken (each must be taken, like markers waited for).
     pub fingerprint_batches: usize,
@@ -228,6 +230,7 @@ impl Emulator {
             used_bytes: st.used.clone(),
             host_registered,
             host_allocated,
+            host_pinned: (st.host.pinned(), st.host.peak()),
             markers: st.markers.len(),
             fingerprint_batches: st.fingerprints.len(),
             codec_compressed: self.codec_counts.compressed.load(Relaxed),
@@ -776,10 +779,7 @@ impl Driver for Emulator {
     }
 
     fn host_available(&self) -> Option<usize> {
-        match self.config.host_memory {
-            Some(b) => Some(b.saturating_sub(self.state.lock().host.pinned())),
-            None => crate::host_guard::available(),
-        }
+        (self.config.host_memory).map(|b| b.saturating_sub(self.state.lock().host.pinned()))
     }
 }
 

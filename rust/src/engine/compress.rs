@@ -105,6 +105,17 @@ impl Engine {
         let raw_after = (raw.iter())
             .map(|a| inner.reg.get(*a).map_or(0, |a| a.size))
             .sum();
+        // Released under the codec only where no refusal can come after a release: no budget, and the worst
+        // the sleep may pin fits the host's room (`may_release_while_packing`).
+        let raw_packed: usize = (jobs.iter().map(|j| j.size))
+            .chain(
+                retained
+                    .iter()
+                    .map(|a| inner.reg.get(*a).map_or(0, |a| a.size)),
+            )
+            .sum();
+        let may_release = inner.backups.host_budget().is_none()
+            && (inner.backups).may_release_while_packing(raw_packed + raw_after);
         let mut early = EarlyReleases::default();
         let t = std::time::Instant::now();
         let mut in_hook = std::time::Duration::ZERO;
@@ -113,9 +124,9 @@ impl Engine {
             self.release_early(&inner.reg, &inner.groups, &mut early, addr);
             in_hook += t.elapsed();
         };
-        let hook = match inner.backups.host_budget() {
-            None => Some(&mut release as &mut dyn FnMut(DevPtr)),
-            Some(_) => None,
+        let hook = match may_release {
+            true => Some(&mut release as &mut dyn FnMut(DevPtr)),
+            false => None,
         };
         let packed = (inner.backups).pack(
             &inner.reg,

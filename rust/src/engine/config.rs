@@ -23,6 +23,8 @@ pub use crate::env::COMPRESS as COMPRESS_ENV;
 pub use crate::env::VERIFY_WAKE as VERIFY_WAKE_ENV;
 /// `CUMEM_RS_HOST_MEMORY_LIMIT`: a cap on the host memory backups may take (see `crate::host_guard`).
 pub use crate::host_guard::LIMIT_ENV as HOST_MEMORY_LIMIT_ENV;
+/// `CUMEM_RS_HOST_MARGIN`: host memory the guard leaves to the process (see `crate::host_guard`).
+pub use crate::host_guard::MARGIN_ENV as HOST_MARGIN_ENV;
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct EngineConfig {
@@ -34,8 +36,11 @@ pub struct EngineConfig {
     pub pin_chunk: usize,
     /// Bytes per fingerprinted chunk.
     pub fingerprint_chunk: usize,
-    /// At most this much host memory is pinned for backups (besides what the host and its cgroup allow).
+    /// At most this much host memory is held for backups (besides what the host and its cgroups allow).
     pub host_memory_limit: Option<usize>,
+    /// Bytes of the room the host and its cgroups leave that backups never take (`CUMEM_RS_HOST_MARGIN`): the
+    /// process's own.
+    pub host_margin: usize,
     /// At most this much pinned host memory is held for backups at any time (`CUMEM_RS_HOST_BUDGET`).
     pub host_budget: Option<usize>,
     /// The file tier's spill directory (`CUMEM_RS_SPILL_DIR`); one that cannot be used is ignored with a warning.
@@ -54,6 +59,7 @@ impl Default for EngineConfig {
             pin_chunk: DEFAULT_PIN_CHUNK,
             fingerprint_chunk: fingerprint::DEFAULT_CHUNK,
             host_memory_limit: None,
+            host_margin: crate::host_guard::DEFAULT_MARGIN,
             host_budget: None,
             spill_dir: None,
             compress: true,
@@ -89,6 +95,15 @@ impl EngineConfig {
                 log::warn!("{HOST_MEMORY_LIMIT_ENV}={v:?} is not a byte count; ignored");
             }
         }
+        if let Some(v) = var(HOST_MARGIN_ENV) {
+            match parse_size(&v) {
+                Some(n) => c.host_margin = n,
+                None => log::warn!(
+                    "{HOST_MARGIN_ENV}={v:?} is not a byte count; using {}",
+                    c.host_margin
+                ),
+            }
+        }
         if let Some(v) = var(HOST_BUDGET_ENV) {
             c.host_budget = parse_size(&v);
             if c.host_budget.is_none() {
@@ -107,6 +122,7 @@ impl EngineConfig {
             fingerprint_chunk: self.fingerprint_chunk,
             pin_chunk: self.pin_chunk,
             host_limit: self.host_memory_limit,
+            host_margin: self.host_margin,
             host_budget: self.host_budget,
             spill_dir: self.spill_dir.clone(),
             compress: self.compress,
@@ -145,6 +161,12 @@ mod tests {
         assert_eq!(
             with(&[(HOST_MEMORY_LIMIT_ENV, "x")]).host_memory_limit,
             None
+        );
+        assert_eq!(with(&[(HOST_MARGIN_ENV, "1G")]).host_margin, 1 << 30);
+        assert_eq!(with(&[(HOST_MARGIN_ENV, "0")]).host_margin, 0);
+        assert_eq!(
+            with(&[(HOST_MARGIN_ENV, "half")]).host_margin,
+            crate::host_guard::DEFAULT_MARGIN
         );
         assert_eq!(with(&[(HOST_BUDGET_ENV, "4G")]).host_budget, Some(4 << 30));
         assert_eq!(with(&[(HOST_BUDGET_ENV, "some")]).host_budget, None);

@@ -9,6 +9,7 @@
 //! - `copies`: queuing device copies into and out of a buffer (one per pinned piece it crosses), and host reads.
 //! - `threads`: starting helper threads without panicking when the OS refuses one.
 //! - `pool`: `HostPool`, the buffer kept for the next sleep (policy `keep`) so that steady sleeps pin nothing.
+//! - `returning`: large buffers no longer wanted, returned to the OS off the caller's thread.
 //!
 //! `unsafe` stays inside these files (raw host memory and the driver's host calls), each block with its reason.
 
@@ -17,6 +18,7 @@ mod memory;
 mod pieces;
 mod pinning;
 mod pool;
+pub mod returning;
 pub mod staging;
 mod threads;
 

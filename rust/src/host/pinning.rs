@@ -74,6 +74,35 @@ impl HostBuffer {
         Ok(())
     }
 
+    /// End the buffer at its first unpinned byte: the bytes after it become room to grow in place (`grow`), and
+    /// any page of them that was touched without being registered (a refused registration) goes back to the OS,
+    /// so that they hold no memory. For a buffer pinned ahead in part that the host's room does not let a sleep
+    /// finish pinning: what is pinned serves, and each growth is checked against the room first. False, nothing
+    /// changed, when nothing is pinned from the start or a piece lies past the first unpinned byte.
+    pub fn cut_unpinned_tail(&mut self) -> bool {
+        let Origin::Mapped { pinned } = &self.origin else {
+            return false;
+        };
+        let mut end = 0;
+        while let Some((start, len)) = pinned.containing(end) {
+            end = start + len;
+        }
+        if end == 0 || end >= self.len || pinned.bytes_below(self.len) != pinned.bytes_below(end) {
+            return false;
+        }
+        // SAFETY: [ptr+end, ptr+len) lies inside our live mapping and is not registered (checked above); no copy
+        // can be in flight into unpinned bytes of a cached buffer, and dropping their pages only zeroes them.
+        let _ = unsafe {
+            rustix::mm::madvise(
+                (self.ptr + end) as *mut std::ffi::c_void,
+                self.len - end,
+                rustix::mm::Advice::LinuxDontNeed,
+            )
+        };
+        self.len = end;
+        true
+    }
+
     /// Pin every byte not pinned yet, each gap between pieces as one registration (a buffer pinned ahead in part,
     /// taken by a sleep that copies into it without pinning cell by cell).
     pub fn pin_gaps(&mut self) -> Result<()> {

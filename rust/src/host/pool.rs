@@ -5,9 +5,13 @@
 
 use std::sync::Arc;
 
+use super::returning::{Returning, DEFER_MIN};
 use super::HostBuffer;
 use crate::driver::Driver;
 use crate::error::{Error, Result};
+
+/// Runs a job off the caller's thread (the backup store's reclaim thread).
+pub type Defer = fn(Box<dyn FnOnce() + Send>);
 
 /// The host buffer cached for the next sleep: one at most (the largest offered), since a second one would only
 /// hold RAM twice; more only while the driver refuses to unpin one (kept for a later trim rather than leaked).
@@ -20,6 +24,10 @@ pub struct HostPool {
     pub notes: Vec<Error>,
     /// Keep buffers after wake (fast next sleep) or give them back to the OS (low host RAM).
     pub keep: bool,
+    /// Large buffers on their way back to the OS (returning.rs), and how a job is run off the caller's thread
+    /// (None: every buffer is returned on the caller's thread).
+    pub returning: Arc<Returning>,
+    pub defer: Option<Defer>,
 }
 
 impl HostPool {
@@ -30,6 +38,8 @@ impl HostPool {
             fallbacks: Vec::new(),
             notes: Vec::new(),
             keep: true,
+            returning: Arc::default(),
+            defer: None,
         }
     }
 
@@ -105,6 +115,14 @@ impl HostPool {
     }
 
     fn release_or_keep(&mut self, buf: HostBuffer) -> Result<()> {
+        // Those the driver refused to unpin off the caller's thread, kept for a later trim.
+        self.cached.append(&mut self.returning.take_refused());
+        if let Some(defer) = self.defer.filter(|_| buf.len() >= DEFER_MIN) {
+            self.returning.start(&buf);
+            let returning = self.returning.clone();
+            defer(Box::new(move || returning.finish(buf)));
+            return Ok(());
+        }
         buf.release().map_err(|(buf, e)| {
             // Keep it for the next trim rather than leak the registration.
             self.cached.push(*buf);
@@ -135,23 +153,31 @@ impl HostPool {
             .sum()
     }
 
-    /// Return every cached buffer to the OS; the first error is reported after all were tried, and buffers the
-    /// driver refused stay cached for a later trim.
+    /// Return every cached buffer to the OS, the large ones off the caller's thread (returning.rs); the bytes
+    /// given up. The first error is reported after all were tried, and buffers the driver refused stay cached for
+    /// a later trim.
     pub fn trim(&mut self) -> Result<usize> {
         let mut freed = 0;
         let mut first_err = None;
-        let mut kept = Vec::new();
-        for buf in self.cached.drain(..) {
+        for buf in std::mem::take(&mut self.cached) {
             let len = buf.len();
-            match buf.release() {
+            match self.release_or_keep(buf) {
                 Ok(()) => freed += len,
-                Err((buf, e)) => {
-                    kept.push(*buf);
+                Err(e) => {
                     first_err.get_or_insert(e);
                 }
             }
         }
-        self.cached = kept;
         first_err.map_or(Ok(freed), Err)
+    }
+
+    /// `trim`, everything back with the OS when it returns (`trim_host`, close): buffers on their way are waited
+    /// for, and those returned now are returned on this thread.
+    pub fn trim_now(&mut self) -> Result<usize> {
+        self.returning.wait();
+        let defer = self.defer.take();
+        let trimmed = self.trim();
+        self.defer = defer;
+        trimmed
     }
 }

@@ -204,6 +204,8 @@ pub(super) fn driver_counts_dict<'py>(
         "used_bytes" => &c.used_bytes,
         "host_registered" => c.host_registered,
         "host_allocated" => c.host_allocated,
+        "host_pinned_bytes" => c.host_pinned.0,
+        "host_peak_pinned_bytes" => c.host_pinned.1,
         "markers" => c.markers,
         "fingerprint_batches" => c.fingerprint_batches,
         "codec_compressed" => c.codec_compressed,

@@ -13,6 +13,8 @@ pub(super) struct HostPins {
     allocated: BTreeMap<usize, usize>,
     /// Bytes of both, kept as a sum so that the budget check does not walk them either.
     pinned: usize,
+    /// The most `pinned` has been: what a memory cgroup would have charged at the worst moment.
+    peak: usize,
 }
 
 /// The range of `map` that contains `ptr`, if any (ranges in `map` do not overlap).
@@ -25,6 +27,11 @@ impl HostPins {
     /// Host bytes pinned now (registered plus allocated).
     pub(super) fn pinned(&self) -> usize {
         self.pinned
+    }
+
+    /// The most host bytes pinned at once so far.
+    pub(super) fn peak(&self) -> usize {
+        self.peak
     }
 
     /// (registrations, allocations) live now.
@@ -45,6 +52,7 @@ impl HostPins {
         }
         self.registered.insert(ptr, size);
         self.pinned += size;
+        self.peak = self.peak.max(self.pinned);
         true
     }
 
@@ -60,6 +68,7 @@ impl HostPins {
     pub(super) fn add_allocation(&mut self, ptr: usize, size: usize) {
         self.allocated.insert(ptr, size);
         self.pinned += size;
+        self.peak = self.peak.max(self.pinned);
     }
 
     /// Forget the allocation that starts at `ptr`; its size, None when there is none.
