@@ -649,8 +649,17 @@ def test_faulty_state_machine_with_a_small_budget_and_a_spill_dir():
     run_state_machine_as_test(_faulty_spilling_machine(), settings=settings(STATEFUL_SETTINGS, max_examples=100))
 
 
+@pytest.mark.usefixtures("codec_on")  # the variant of the raw one above: compressing whatever CUMEM_RS_COMPRESS says
 def test_faulty_state_machine_with_a_small_budget_a_spill_dir_and_compression():
-    run_state_machine_as_test(_faulty_spilling_machine(), settings=settings(STATEFUL_SETTINGS, max_examples=100))
+    compressed = []
+
+    class Compressing(_faulty_spilling_machine()):  # type: ignore[misc]
+        @invariant()
+        def record_compressed_backups(self):
+            compressed.append(self.a.stats()["compressed_bytes"] > 0)
+
+    run_state_machine_as_test(Compressing, settings=settings(STATEFUL_SETTINGS, max_examples=100))
+    assert any(compressed), "no step of the run held a compressed backup: the raw variant ran again"
 
 
 def test_with_a_spill_dir_a_sleep_past_what_the_host_can_pin_spills_instead_of_being_refused(tmp_path):
