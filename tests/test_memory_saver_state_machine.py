@@ -2,7 +2,7 @@
 
 Rules: allocate in a region of a tag with no backup, CPU backup or disk backup; write; pause and resume a tag
 (or every tag, or one never used); turn `retain_cpu_backup` on and off; `get_cpu_backup` as a copy and as a
-zero-copy view; drop views; free. The model keeps each allocation's bytes, whether it is paused, and the
+zero-copy view; write through a view; drop views; free. The model keeps each allocation's bytes, whether it is paused, and the
 content of its backup while one exists (paused, or retained after a resume with retain_cpu_backup); the
 allocator's `keep_host_memory` and a pending "off" (False takes effect at the next resume, as there).
 
@@ -37,6 +37,7 @@ torch = pytest.importorskip("torch")
 from hypothesis import strategies as st  # noqa: E402
 from hypothesis.stateful import (  # noqa: E402
     RuleBasedStateMachine,
+    initialize,
     invariant,
     precondition,
     rule,
@@ -52,7 +53,7 @@ from conftest import BACKENDS, STATEFUL_SETTINGS  # noqa: E402
 MiB = 1 << 20
 GRAN = 64 << 10
 TAGS = ["w", "kv", "g"]
-BACKUPS = ["none", "cpu", "disk"]
+BACKUPS = ["none", "cpu", "cpu", "disk"]  # CPU backup twice as often: the views and retained backups need it
 # Small and uneven sizes: a part of a granule, more than one granule with a tail, an exact granule.
 SIZES = [4096, 100_000, 3 * GRAN + 17, GRAN]
 MAX_ALLOCS = 8
@@ -111,7 +112,9 @@ class CudaMemory:
         self.saver = TorchMemorySaver()
         self.saver.hook_mode = "torch"
         self.native = CuMemAllocator.get_instance().native
+        # Process-wide settings the example changes (set-up sets keep_host_memory, the machine a spill directory).
         self.keep_before = self.native.keep_host_memory()
+        self.spill_before = self.native.spill_dir
         self.prefix = f"sm{os.getpid()}_{next(_example)}_"
 
     def alloc(self, n: int) -> "torch.Tensor":
@@ -136,6 +139,7 @@ class CudaMemory:
     def close(self) -> None:
         self.saver.resume()
         self.native.set_keep_host_memory(self.keep_before)
+        self.native.set_spill_dir(self.spill_before)
 
 
 @dataclass
@@ -179,6 +183,12 @@ def machine_for(backend: str) -> type:
             return self.m.prefix + name
 
         # -- rules ------------------------------------------------------------------------------------------------
+
+        @initialize(on=st.booleans())
+        def start_retaining(self, on):
+            """Half the runs start with retain_cpu_backup on, so that retained backups are common."""
+            if on:
+                self.retain_cpu_backup(True)
 
         @precondition(lambda self: len(self.mems) < MAX_ALLOCS)
         @rule(tag=st.sampled_from(TAGS), backup=st.sampled_from(BACKUPS), size=st.sampled_from(SIZES),
@@ -264,6 +274,29 @@ def machine_for(backend: str) -> type:
                 self.views.append(View(got, x, want))
             elif where is not None:
                 assert got.data_ptr() != where.address, "a copy is not the backup"
+
+        @precondition(lambda self: any(x.backup == "cpu" and x.saved is not None for x in self.mems))
+        @rule(pick=st.integers(0, 1000))
+        def view_a_host_backup(self, pick):
+            """get_cpu_backup(zero_copy=True) of an allocation with a backup in host memory (paused or retained)."""
+            held = [x for x in self.mems if x.backup == "cpu" and x.saved is not None]
+            self.get_cpu_backup(self.mems.index(held[pick % len(held)]), True)
+
+        @precondition(lambda self: any(v.live for v in self.views))
+        @rule(pick=st.integers(0, 1000), at=st.integers(0, 1000), seed=st.integers(0, 2**16))
+        def write_through_view(self, pick, at, seed):
+            """A view is writable: what it writes is what the next resume restores (paused), and the next pause
+            copies that allocation whole (a retained backup written behind the fingerprints' back)."""
+            live = [v for v in self.views if v.live]
+            v = live[pick % len(live)]
+            x = v.mem
+            offset = at * x.size // 1001
+            data = _random_bytes(min(x.size - offset, 1 + seed % 300), seed)
+            v.tensor[offset : offset + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+            saved = bytearray(x.saved)
+            saved[offset : offset + len(data)] = data
+            x.saved = bytes(saved)
+            v.expected = x.saved
 
         @precondition(lambda self: self.views)
         @rule(pick=st.integers(0, 1000))
