@@ -184,11 +184,15 @@ def machine_for(backend: str) -> type:
 
         # -- rules ------------------------------------------------------------------------------------------------
 
-        @initialize(on=st.booleans())
-        def start_retaining(self, on):
-            """Half the runs start with retain_cpu_backup on, so that retained backups are common."""
+        @initialize(on=st.booleans(), first=st.lists(st.tuples(st.sampled_from(TAGS), st.sampled_from(BACKUPS),
+                                                               st.sampled_from(SIZES)), min_size=2, max_size=4))
+        def start(self, on, first):
+            """A few allocations to begin with, and half the runs retaining from the start (retained backups and
+            views of them are rare otherwise: rules are drawn among those a run enables)."""
             if on:
                 self.retain_cpu_backup(True)
+            for i, (tag, backup, size) in enumerate(first):
+                self.alloc(tag, backup, size, i)
 
         @precondition(lambda self: len(self.mems) < MAX_ALLOCS)
         @rule(tag=st.sampled_from(TAGS), backup=st.sampled_from(BACKUPS), size=st.sampled_from(SIZES),
@@ -244,7 +248,7 @@ def machine_for(backend: str) -> type:
                     if not self.keep:
                         x.saved = None
 
-        @rule(on=st.booleans())
+        @rule(on=st.sampled_from([True, True, False]))  # on more often: retained backups live across resumes
         def retain_cpu_backup(self, on):
             self.saver.retain_cpu_backup = on
             if on:
@@ -276,11 +280,16 @@ def machine_for(backend: str) -> type:
                 assert got.data_ptr() != where.address, "a copy is not the backup"
 
         @precondition(lambda self: any(x.backup == "cpu" and x.saved is not None for x in self.mems))
-        @rule(pick=st.integers(0, 1000))
-        def view_a_host_backup(self, pick):
-            """get_cpu_backup(zero_copy=True) of an allocation with a backup in host memory (paused or retained)."""
+        @rule(pick=st.integers(0, 1000), awake=st.booleans(), write=st.booleans(), seed=st.integers(0, 2**16))
+        def view_a_host_backup(self, pick, awake, write, seed):
+            """get_cpu_backup(zero_copy=True) of an allocation with a backup in host memory (paused, or retained:
+            those first when `awake`, the rarer case), and maybe a write through that view at once."""
             held = [x for x in self.mems if x.backup == "cpu" and x.saved is not None]
+            retained = [x for x in held if not x.paused]
+            held = retained if awake and retained else held
             self.get_cpu_backup(self.mems.index(held[pick % len(held)]), True)
+            if write:
+                self._write_through(self.views[-1], seed % 1001, seed)
 
         @precondition(lambda self: any(v.live for v in self.views))
         @rule(pick=st.integers(0, 1000), at=st.integers(0, 1000), seed=st.integers(0, 2**16))
@@ -288,7 +297,9 @@ def machine_for(backend: str) -> type:
             """A view is writable: what it writes is what the next resume restores (paused), and the next pause
             copies that allocation whole (a retained backup written behind the fingerprints' back)."""
             live = [v for v in self.views if v.live]
-            v = live[pick % len(live)]
+            self._write_through(live[pick % len(live)], at, seed)
+
+        def _write_through(self, v: View, at: int, seed: int) -> None:
             x = v.mem
             offset = at * x.size // 1001
             data = _random_bytes(min(x.size - offset, 1 + seed % 300), seed)
@@ -304,7 +315,7 @@ def machine_for(backend: str) -> type:
             del self.views[pick % len(self.views)]
             gc.collect()
 
-        @precondition(lambda self: self.mems)
+        @precondition(lambda self: len(self.mems) >= 3)  # keep a few: backups need an allocation to live on
         @rule(pick=st.integers(0, 1000))
         def free(self, pick):
             x = self.mems.pop(pick % len(self.mems))
