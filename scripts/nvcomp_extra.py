@@ -114,7 +114,8 @@ def summary(gpu: bool) -> str:
 def main(argv: Sequence[str]) -> int:
     if list(argv) == ["install"]:
         gpu = has_gpu()
-        install(gpu, torch_cuda_major(), installed_majors() if gpu else [], (ROOT / "pyproject.toml").read_text())
+        major, installed = (torch_cuda_major(), installed_majors()) if gpu else (None, [])
+        install(gpu, major, installed, (ROOT / "pyproject.toml").read_text())
         return 0
     if list(argv) == ["summary"]:
         print(summary(has_gpu()))

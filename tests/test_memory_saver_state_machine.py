@@ -44,7 +44,6 @@ from hypothesis.stateful import (  # noqa: E402
     run_state_machine_as_test,
 )
 
-import cumem_rs  # noqa: E402
 from cumem_rs import Allocator, CumemError  # noqa: E402
 from cumem_rs._sim_pools import SimulatedPools  # noqa: E402
 from cumem_rs.memory_saver import TorchMemorySaver  # noqa: E402
