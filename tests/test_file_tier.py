@@ -195,33 +195,47 @@ def test_a_file_tier_policy_sends_a_tag_to_files_whatever_the_budget(a, tmp_path
     a.free(addr)
 
 
-def _sleep_with_a_failed_write(a: Allocator, tensors, nth: int, error: str) -> set[int]:
+def _sleep_with_a_failed_write(a: Allocator, tensors, nth: int, error: str) -> tuple[bool, set[int]]:
     """A sleep of "weights" whose `nth` spill write fails with `error`; then each allocation is either awake with its
-    data or asleep with a complete backup. Returns the addresses asleep."""
+    data or asleep with a complete backup. Returns whether the fault fired (the sleep raised, naming the spill
+    file) and the addresses asleep: the sleep failed exactly when some allocation was left awake."""
     a.inject_spill_fault("write", nth, error)
+    failed = False
     try:
         a.sleep("weights")
-    except cumem_rs.CumemError:
-        pass
-    a.clear_spill_faults()
+    except cumem_rs.CumemError as e:
+        assert "spill file" in str(e), e
+        failed = True
+    finally:
+        a.clear_spill_faults()
     asleep = {r["address"] for r in a.allocations() if r["asleep"]}
+    assert failed == (len(asleep) < len(tensors)), (nth, error, failed, len(asleep))
     for addr, data in tensors:
         if addr in asleep:
             assert a.read_backup(addr, len(data)) == bytes(data)
         else:
             assert a.read(addr, len(data)) == bytes(data)
-    return asleep
+    return failed, asleep
+
+
+def _fired_at_the_first_writes(fired: list[int], tries: int) -> None:
+    """The write fault fires at the n-th write exactly when the sleep makes at least n writes: at n = 1 at least,
+    and for the n from 1 up to the sleep's write count, never past it."""
+    assert fired and fired == list(range(1, len(fired) + 1)), f"the fault fired at nth {fired} of 1..{tries}"
 
 
 @pytest.mark.parametrize("error", ["short", "enospc", "eio"])
 def test_a_failed_write_leaves_each_allocation_awake_or_asleep_with_a_complete_backup(spilling, error):
     a = spilling
     tensors = [tensor(a, "weights", n) for n in (1, 2, 1)]
+    fired = []
     for nth in range(1, 6):
-        _sleep_with_a_failed_write(a, tensors, nth, error)
+        failed, _ = _sleep_with_a_failed_write(a, tensors, nth, error)
+        fired += [nth] if failed else []
         a.wake_up(None)
         for addr, data in tensors:
             assert a.read(addr, len(data)) == data
+    _fired_at_the_first_writes(fired, 5)
     for addr, _ in tensors:
         a.free(addr)
 
@@ -459,6 +473,7 @@ def test_a_failed_rewrite_keeps_the_promises_at_every_write_position(retaining_f
     a = retaining_files
     g = a.granularity(0)
     tensors = _retained_file_backups(a, [2, 3, 2])
+    fired = []
     for nth in range(1, 8):
         # Change the first chunk of every allocation and the last of the second: several writes per sleep.
         for i, (addr, data) in enumerate(tensors):
@@ -467,7 +482,8 @@ def test_a_failed_rewrite_keeps_the_promises_at_every_write_position(retaining_f
                 new = bytes((x + nth) % 256 for x in data[at : at + g])
                 a.write(addr + at, new)
                 data[at : at + g] = new
-        asleep = _sleep_with_a_failed_write(a, tensors, nth, error)
+        failed, asleep = _sleep_with_a_failed_write(a, tensors, nth, error)
+        fired += [nth] if failed else []
         awake = [len(d) for addr, d in tensors if addr not in asleep]
         a.wake_up(None)
         _check(a, tensors)
@@ -476,6 +492,7 @@ def test_a_failed_rewrite_keeps_the_promises_at_every_write_position(retaining_f
         assert rep["written_bytes"] == sum(awake), (nth, awake)
         a.wake_up(None)
         _check(a, tensors)
+    _fired_at_the_first_writes(fired, 7)
     for addr, _ in tensors:
         a.free(addr)
 
@@ -702,12 +719,20 @@ def test_faulty_state_machine_with_a_small_budget_and_a_spill_dir():
     machine.assert_reach()
 
 
+@pytest.mark.usefixtures("codec_on")  # the variant of the raw one above: compressing whatever CUMEM_RS_COMPRESS says
 def test_faulty_state_machine_with_a_small_budget_a_spill_dir_and_compression():
     from test_faults import run_faulty
 
-    machine = _faulty_spilling_machine()
-    run_faulty(machine, "FaultySpillingMachine (compressed)", settings(STATEFUL_SETTINGS, max_examples=100))
-    machine.assert_reach()
+    compressed = []
+
+    class Compressing(_faulty_spilling_machine()):  # type: ignore[misc]
+        @invariant()
+        def record_compressed_backups(self):
+            compressed.append(self.a.stats()["compressed_bytes"] > 0)
+
+    run_faulty(Compressing, "FaultySpillingMachine (compressed)", settings(STATEFUL_SETTINGS, max_examples=100))
+    Compressing.assert_reach()
+    assert any(compressed), "no step of the run held a compressed backup: the raw variant ran again"
 
 
 def test_with_a_spill_dir_a_sleep_past_what_the_host_can_pin_spills_instead_of_being_refused(tmp_path):

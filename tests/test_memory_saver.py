@@ -17,6 +17,7 @@ torch = pytest.importorskip("torch")
 
 import cumem_rs  # noqa: E402
 from cumem_rs import CumemError  # noqa: E402
+from cumem_rs._sim_pools import SimulatedPools  # noqa: E402
 from cumem_rs.memory_saver import TorchMemorySaver, configure_subprocess, torch_memory_saver  # noqa: E402
 
 HAS_CUDA = cumem_rs.cuda_available()
@@ -107,9 +108,27 @@ def test_cuda_graph_pool_must_be_a_pool_token(saver, pool):
         saver.cuda_graph(None, pool=pool)
 
 
-def test_cpu_backup_backends_are_accepted(saver):
-    for backend in ("pinned", "mmap"):
-        saver.region(enable_cpu_backup=True, cpu_backup_backend=backend)  # validated, not entered
+@pytest.mark.parametrize("backend", ["pinned", "mmap"])
+def test_cpu_backup_backends_are_accepted(saver, backend):
+    """Both of torch_memory_saver's backends are accepted before any set-up, and a region of either (over the
+    simulated device) reports it as torch_memory_saver's getter does and backs its memory up to host memory."""
+    saver.region(enable_cpu_backup=True, cpu_backup_backend=backend)  # validated, not entered
+    assert saver._alloc is None, "validating a region must not set the saver up"
+    sim = cumem_rs.Allocator.simulated(devices=1)
+    try:
+        on_sim = TorchMemorySaver(_backend=SimulatedPools(sim))
+        getters = on_sim._impl._binary_wrapper.cdll
+        with on_sim.region("w", enable_cpu_backup=True, cpu_backup_backend=backend):
+            assert getters.tms_get_cpu_backup_backend() == backend.encode()
+            assert getters.tms_get_enable_cpu_backup()
+            p = sim.malloc(4096)
+        sim.write(p, b"tms" * 100)
+        on_sim.pause("w")
+        assert sim.read_backup(p, 300) == b"tms" * 100, "the region's memory was backed up"
+        on_sim.resume("w")
+        assert sim.read(p, 300) == b"tms" * 100
+    finally:
+        sim.close()
 
 
 def test_hook_mode_is_accepted_and_checked(saver):

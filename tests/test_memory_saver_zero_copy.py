@@ -21,7 +21,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import cumem_rs  # noqa: E402
-from cumem_rs import Allocator, CumemError, CumemValueError  # noqa: E402
+from cumem_rs import Allocator, CumemError, CumemOutOfMemoryError, CumemValueError  # noqa: E402
 from cumem_rs._sim_pools import SimulatedPools  # noqa: E402
 from cumem_rs.memory_saver import TorchMemorySaver, configure_subprocess  # noqa: E402
 
@@ -68,6 +68,10 @@ def _view(saver: TorchMemorySaver, address: int, nbytes: int = N, dtype=torch.ui
 
 def _copy(saver: TorchMemorySaver, address: int, nbytes: int = N):
     return saver._cpu_backup(address, nbytes, torch.uint8, (nbytes,), False)
+
+
+def _asleep(sim: Allocator, address: int) -> bool:
+    return next(r["asleep"] for r in sim.allocations() if r["address"] == address)
 
 
 def _bytes_of(t: "torch.Tensor") -> bytes:
@@ -230,10 +234,11 @@ def test_views_of_live_bytes_are_not_reused_under_a_host_budget(sim):
     view = _view(saver, a)
     saver.resume("a")  # a's bytes become a hole of the arena b's backup keeps
     sim.write(a, _pattern(N, 3))
-    try:
+    host = sim.host_bytes()
+    with pytest.raises(CumemOutOfMemoryError, match="host budget"):
         saver.pause("a")  # no room for a new arena and no hole: refused (nothing changes)
-    except CumemError:
-        pass
+    assert not _asleep(sim, a) and _asleep(sim, b), "the refused pause left a awake, b paused"
+    assert sim.read(a, N) == _pattern(N, 3) and sim.host_bytes() == host
     assert _bytes_of(view) == _pattern(N, 1), "a pause wrote into bytes a live view shows"
     del view
     gc.collect()

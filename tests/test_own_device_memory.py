@@ -39,11 +39,27 @@ FIRST_SLEEP = textwrap.dedent(
 
 
 def test_the_simulated_device_takes_no_device_memory_of_its_own():
-    a = Allocator.simulated()
-    p = a.malloc(4096)
-    assert a.stats()["own_device_bytes"] == 0
-    a.free(p)
-    a.close()
+    """Every byte of the simulated device's capacity goes to allocations, before, during and after the cycles that
+    use the fingerprint machinery (retained backups), and the stat says so."""
+    cap = 8 << 20
+    a = Allocator.simulated(devices=1, capacity=cap, granularity=64 << 10)
+    try:
+        assert a.mem_info() == (cap, cap)
+        p = a.malloc(cap)  # the whole capacity: nothing of it is the allocator's own
+        a.write(p, bytes(range(256)) * (cap // 256))
+        assert a.mem_info()[0] == 0
+        for _ in range(2):  # the first wake retains the backup, the second sleep fingerprints against it
+            a.sleep(["default"])
+            assert a.mem_info()[0] == cap, "the sleep gave back every byte of the allocation, and only those"
+            a.wake_up()
+            assert a.mem_info()[0] == 0
+        assert a.retains_backups() and a.driver_counts()["calls"]["fingerprint"] > 0
+        assert a.read(p, 4096) == bytes(range(256)) * 16
+        assert a.stats()["own_device_bytes"] == 0
+        a.free(p)
+        assert a.mem_info() == (cap, cap)
+    finally:
+        a.close()
 
 
 @pytest.mark.skipif(not cumem_rs.cuda_available(), reason="no CUDA device (cuda_available() is False)")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import pytest
 
 import cumem_rs
@@ -145,13 +146,47 @@ def test_invalidation_drops_the_retained_backup(a, invalidate):
     assert a.read(addr, size) == data
 
 
+_K1, _K2, _K3, _K4 = (np.uint64(k) for k in (0x9E3779B97F4A7C15, 0xC2B2AE3D27D4EB4F, 0x165667B19E3779F9,
+                                               0x27D4EB2F165667C5))
+
+
+def _fmix64(k: "np.ndarray") -> "np.ndarray":
+    k = k ^ (k >> np.uint64(33))
+    k = k * np.uint64(0xFF51AFD7ED558CCD)
+    k = k ^ (k >> np.uint64(33))
+    k = k * np.uint64(0xC4CEB9FE1A85EC53)
+    return k ^ (k >> np.uint64(33))
+
+
+def reference_fingerprints(data: bytes, chunk: int) -> list[tuple[int, int]]:
+    """The chunk fingerprint as the fingerprint module's doc comment defines it, written again here (numpy,
+    uint64 arithmetic wraps): per 16-byte word (lo, hi) at index i of its chunk
+    h = fmix64(lo ^ i*K1 ^ fmix64(hi ^ (i*K2 + K3))), and per chunk of len bytes
+    [fmix64(sum(h) + len), fmix64(sum((h ^ K4) * (2i+1)) ^ len*K1)]."""
+    out = []
+    for off in range(0, len(data), chunk):
+        words = np.frombuffer(data[off : off + chunk], dtype="<u8").reshape(-1, 2)
+        i = np.arange(len(words), dtype=np.uint64)
+        h = _fmix64(words[:, 0] ^ (i * _K1) ^ _fmix64(words[:, 1] ^ (i * _K2 + _K3)))
+        n = np.full(1, 16 * len(words), dtype=np.uint64)
+        first = _fmix64(h.sum(dtype=np.uint64, keepdims=True) + n)
+        odd = np.uint64(2) * i + np.uint64(1)
+        second = _fmix64(((h ^ _K4) * odd).sum(dtype=np.uint64, keepdims=True) ^ (n * _K1))
+        out.append((int(first[0]), int(second[0])))
+    return out
+
+
 def test_driver_fingerprints_equal_the_host_reference(a):
-    """The GPU kernel (on CUDA) and the host code compute the same function."""
+    """The driver's prints of device memory (the GPU kernel on CUDA, the host code on the sim) and the host code
+    (`fingerprint_bytes`) both compute the documented function, written again in this file."""
     addr, size, data = weights(a, 1)
-    got = a.fingerprints(addr, size)
-    assert got == cumem_rs._native.fingerprint_bytes(bytes(data), CHUNK)
-    part = a.fingerprints(addr + 4096, 4096 + 48)  # a short last chunk
-    assert part == cumem_rs._native.fingerprint_bytes(bytes(data[4096 : 8192 + 48]), CHUNK)
+    want = reference_fingerprints(bytes(data), CHUNK)
+    assert len(want) == size // CHUNK
+    assert cumem_rs._native.fingerprint_bytes(bytes(data), CHUNK) == want
+    assert a.fingerprints(addr, size) == want
+    part = bytes(data[4096 : 8192 + 48])  # a short last chunk
+    assert a.fingerprints(addr + 4096, len(part)) == reference_fingerprints(part, CHUNK)
+    assert cumem_rs._native.fingerprint_bytes(part, CHUNK) == reference_fingerprints(part, CHUNK)
     with pytest.raises(ValueError, match="multiple of 16"):
         a.fingerprints(addr, 15)
 

@@ -11,7 +11,8 @@
 //!
 //! Safety rules (stale data is never an outcome):
 //! - prints and retained backups are dropped by free, discard, a sleep that does not offload the tag, a wake
-//!   without retention, trim_host, set_keep_host_memory(False), set_retain_backups(False), a chunk size change;
+//!   without retention, trim_host, set_keep_host_memory(False), set_retain_backups(False), a chunk size change
+//!   (by the last four, the backups of asleep allocations are left unprinted: still bound by a wake that retains);
 //! - any failure in this path (prints that cannot be queued or read) counts every chunk as changed, and an
 //!   allocation whose new prints are missing keeps none; a wake that retains binds a backup whose sleep took no
 //!   prints because wakes did not retain then, and its next sleep copies it whole, into the same bytes;
@@ -98,10 +99,17 @@ impl Retention {
         }
     }
 
+    /// Forget every print and retained backup. The backups of asleep allocations stay what a wake restores:
+    /// those with prints become unprinted, so that a wake that retains by then (keep_host_memory or retention
+    /// turned on again while they sleep) binds them all the same, and their next sleep copies them whole.
     fn clear(&mut self) {
+        let asleep: Vec<DevPtr> = (self.prints.keys())
+            .filter(|a| !self.retained.contains_key(a))
+            .copied()
+            .collect();
+        self.unprinted.extend(asleep);
         self.prints.clear();
         self.retained.clear();
-        self.unprinted.clear();
     }
 }
 
