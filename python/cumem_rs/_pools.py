@@ -173,12 +173,21 @@ def pool_block(native: Optional[Allocator] = None, tag: Optional[str] = None) ->
 # --- pools entered, per tag --------------------------------------------------------------------------------------
 
 
-def _segments(pool_id: tuple[int, int]) -> list:
-    """torch's segments of the private pool `pool_id` (none once torch has released them all)."""
+def _segments(pool_ids: set[tuple[int, int]]) -> dict[tuple[int, int], list]:
+    """torch's segments of each private pool in `pool_ids` (none once torch has released them all), from one
+    snapshot of the whole allocator. Never torch's snapshot of one pool by id: for a pool torch has already
+    destroyed, torch 2.11 crashes the process there (SIGSEGV in `memory_snapshot(pool_id)`, seen on an H200 with a
+    thread re-entering tags while another slept and woke)."""
     try:
-        return torch.cuda.memory_snapshot(pool_id, include_traces=False)
+        segments = torch.cuda.memory_snapshot(include_traces=False)
     except TypeError:  # torch < 2.9 has no include_traces
-        return torch.cuda.memory_snapshot(pool_id)
+        segments = torch.cuda.memory_snapshot()
+    held: dict[tuple[int, int], list] = {pool_id: [] for pool_id in pool_ids}
+    for segment in segments:
+        pool_id = segment.get("segment_pool_id")
+        if pool_id is not None and tuple(pool_id) in held:
+            held[tuple(pool_id)].append(segment)
+    return held
 
 
 class EnteredPools:
@@ -217,10 +226,10 @@ class EnteredPools:
             dropped = [pool_id for pool_id, ref in self._pools.get(tag, ()) if ref() is None]
         if not dropped or not torch.cuda.is_initialized() or torch.cuda.is_current_stream_capturing():
             return
-        segments = {pool_id: _segments(pool_id) for pool_id in dropped}
+        segments = _segments(set(dropped))
         if any(s["allocated_size"] == 0 for held in segments.values() for s in held):
             if pool_activity.when_idle(torch.cuda.empty_cache):
-                segments = {pool_id: _segments(pool_id) for pool_id in dropped}
+                segments = _segments(set(dropped))
         empty = {pool_id for pool_id, held in segments.items() if not held}
         with self._lock:
             self._pools[tag] = [e for e in self._pools.get(tag, ()) if e[0] not in empty]
