@@ -71,7 +71,7 @@ impl Reuse {
             let (a, from, end) = self.runs[i];
             if let Some(at) = fit(&self.arenas[a], from, end, len) {
                 // With its room, as a fresh blob has (placer.rs), where the run has it.
-                self.runs[i].1 = (at + super::placer::padded(len)).min(end);
+                self.runs[i].1 = (at + padded(len)).min(end);
                 return Some((a, at));
             }
             if i == self.next {
@@ -95,3 +95,11 @@ fn fit(arena: &HostBuffer, from: usize, end: usize, len: usize) -> Option<usize>
     }
     None
 }
+
+/// The room each blob is given past its bytes, a hundredth (the arena's `ESTIMATE_SLACK`, spread over its blobs
+/// instead of left at its end): when the chunk changes, its next blob, of about the same size, takes the place of
+/// this one even when it is a little larger, instead of going to a new arena.
+pub(super) fn padded(len: usize) -> usize {
+    len + (len / 100).next_multiple_of(64)
+}
+

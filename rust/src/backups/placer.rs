@@ -11,7 +11,7 @@
 
 use std::sync::Arc;
 
-use super::blob_reuse::Reuse;
+use super::blob_reuse::{padded, Reuse};
 use super::BackupStore;
 use crate::driver::HostPtr;
 use crate::error::{Error, Result};
@@ -48,13 +48,6 @@ const GROW_SLACK: usize = 4 * MAX_RANGE;
 /// A cached arena is taken when it is at most this much larger than what the placer asks for; a larger one is
 /// returned to the OS first (holding it beside a new arena would double the RAM, using it would hold its size).
 const CACHED_SLACK: f64 = 1.06;
-
-/// The room each blob is given past its bytes, a hundredth (the arena's `ESTIMATE_SLACK`, spread over its blobs
-/// instead of left at its end): when the chunk changes, its next blob, of about the same size, takes the place of
-/// this one (blob_reuse.rs) even when it is a little larger, instead of going to a new arena.
-pub(super) fn padded(len: usize) -> usize {
-    len + (len / 100).next_multiple_of(64)
-}
 
 /// Context of a failure to pin the buffer a sleep's last blob arena was to move into (it stayed as it was).
 const FINISH_KEPT: &str = "moving a blob arena into one of its used size (it was kept as it is)";
