@@ -92,7 +92,9 @@ impl HostPool {
     /// else returned to the OS.
     pub fn give_back(&mut self, buf: HostBuffer) -> Result<()> {
         if !self.keep {
-            return self.release_or_keep(buf);
+            // Host memory is not kept (low host RAM; torch_memory_saver's retain_cpu_backup=False): it is back with
+            // the OS when the call returns, as torch_memory_saver's resume promises (its RSS test measures it).
+            return self.release_on(buf, false);
         }
         self.cache(buf)
     }
@@ -115,9 +117,14 @@ impl HostPool {
     }
 
     fn release_or_keep(&mut self, buf: HostBuffer) -> Result<()> {
+        self.release_on(buf, true)
+    }
+
+    /// Return `buf` to the OS, off the caller's thread where `may_defer` and it is large (returning.rs).
+    fn release_on(&mut self, buf: HostBuffer, may_defer: bool) -> Result<()> {
         // Those the driver refused to unpin off the caller's thread, kept for a later trim.
         self.cached.append(&mut self.returning.take_refused());
-        if let Some(defer) = self.defer.filter(|_| buf.len() >= DEFER_MIN) {
+        if let Some(defer) = self.defer.filter(|_| may_defer && buf.len() >= DEFER_MIN) {
             self.returning.start(&buf);
             let returning = self.returning.clone();
             defer(Box::new(move || returning.finish(buf)));
