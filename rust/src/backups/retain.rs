@@ -257,8 +257,14 @@ impl BackupStore {
     /// asleep backups stay for their wake's verification, but no wake binds a backup with them any more.
     pub fn drop_all_retained(&mut self, log: &mut ErrorLog) {
         self.retention.clear();
-        for p in self.verify.asleep.values_mut() {
-            p.retainable = false;
+        // Their backups stay what a wake restores: unprinted for retention (a wake that retains by then binds them
+        // all the same, and their next sleep copies them whole), still printed for verification. (Found when the
+        // memory saver's state machine, written before the prints of asleep backups moved to verify.rs, met them.)
+        for (addr, p) in self.verify.asleep.iter_mut() {
+            if p.retainable {
+                p.retainable = false;
+                self.retention.unprinted.insert(*addr);
+            }
         }
         self.collect_unused(log);
     }
