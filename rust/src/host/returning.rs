@@ -89,22 +89,26 @@ mod tests {
         let sim = Arc::new(SimDriver::new(SimConfig::default()).unwrap());
         let driver: Arc<dyn Driver> = sim.clone();
         let mut pool = HostPool::new(driver);
-        pool.keep = false;
+        pool.keep = true;
         // The jobs are held here instead of run: what the caller sees before the background thread gets to them.
         pool.defer = Some(|job| HELD.lock().unwrap().push(job));
+        let largest = pool.pin_new(2 * DEFER_MIN).unwrap();
+        pool.give_back(largest).unwrap();
+        assert_eq!(pool.cached_bytes(), 2 * DEFER_MIN, "the largest one offered is kept");
         let big = pool.pin_new(DEFER_MIN).unwrap();
         let small = pool.pin_new(1 << 20).unwrap();
         pool.give_back(small).unwrap();
         assert_eq!(
             sim.counts().host_pinned.0,
-            DEFER_MIN,
+            3 * DEFER_MIN,
             "a small one goes back at once"
         );
+        // Smaller than the cached one: not kept, and large enough to go back off this thread.
         pool.give_back(big).unwrap();
         assert_eq!(pool.returning.bytes(), DEFER_MIN, "on its way, counted");
         assert_eq!(
             sim.counts().host_pinned.0,
-            DEFER_MIN,
+            3 * DEFER_MIN,
             "not unpinned on the caller's thread"
         );
         let jobs: Vec<Job> = std::mem::take(&mut *HELD.lock().unwrap());
@@ -113,6 +117,25 @@ mod tests {
         let t = std::thread::spawn(move || jobs.into_iter().for_each(|j| j()));
         returning.wait();
         t.join().unwrap();
-        assert_eq!((pool.returning.bytes(), sim.counts().host_pinned.0), (0, 0));
+        assert_eq!(
+            (pool.returning.bytes(), sim.counts().host_pinned.0),
+            (0, 2 * DEFER_MIN)
+        );
+    }
+
+    #[test]
+    fn memory_not_kept_is_back_with_the_os_when_give_back_returns() {
+        // torch_memory_saver's resume with retain_cpu_backup=False promises the RSS is down when it returns.
+        let sim = Arc::new(SimDriver::new(SimConfig::default()).unwrap());
+        let driver: Arc<dyn Driver> = sim.clone();
+        let mut pool = HostPool::new(driver);
+        pool.keep = false;
+        pool.defer = Some(|_job| panic!("memory not kept must not be handed to the background thread"));
+        let big = pool.pin_new(DEFER_MIN).unwrap();
+        pool.give_back(big).unwrap();
+        assert_eq!(
+            (pool.returning.bytes(), pool.cached_bytes(), sim.counts().host_pinned.0),
+            (0, 0, 0)
+        );
     }
 }
