@@ -270,7 +270,16 @@ impl Placer<'_> {
                     return Err(e);
                 }
             }
-            None => {}
+            None => {
+                // No cached buffer holds the blobs, nor can grow to: those too small go back to the OS before a
+                // new arena is pinned, unless this sleep's raw copies take them (the wake after the last sleep
+                // left its exact-size arena cached, a little short of this sleep's estimate: kept, it was held
+                // beside the new arena, 1.4x the raw bytes of 1024 small bf16 allocations on the sim).
+                let for_raw = self.for_raw;
+                self.store
+                    .host
+                    .trim_unless(|b| for_raw > 0 && b.len() >= for_raw)?;
+            }
         }
         // Under a budget, no more than the room it leaves (a minimum-size arena for a few small blobs must not
         // refuse what fits).

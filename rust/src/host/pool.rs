@@ -178,6 +178,27 @@ impl HostPool {
         first_err.map_or(Ok(freed), Err)
     }
 
+    /// Return to the OS every cached buffer for which `keep` says no (off the caller's thread where large, as
+    /// `trim`): a caller about to pin a new buffer because none cached serves it drops those that serve nothing
+    /// else, so the new one is never held beside them.
+    pub fn trim_unless(&mut self, keep: impl Fn(&HostBuffer) -> bool) -> Result<usize> {
+        let (kept, drop): (Vec<HostBuffer>, Vec<HostBuffer>) =
+            std::mem::take(&mut self.cached).into_iter().partition(|b| keep(b));
+        self.cached = kept;
+        let mut freed = 0;
+        let mut first_err = None;
+        for buf in drop {
+            let len = buf.len();
+            match self.release_or_keep(buf) {
+                Ok(()) => freed += len,
+                Err(e) => {
+                    first_err.get_or_insert(e);
+                }
+            }
+        }
+        first_err.map_or(Ok(freed), Err)
+    }
+
     /// `trim`, everything back with the OS when it returns (`trim_host`, close): buffers on their way are waited
     /// for, and those returned now are returned on this thread.
     pub fn trim_now(&mut self) -> Result<usize> {
