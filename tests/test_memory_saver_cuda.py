@@ -215,6 +215,38 @@ def test_graphs_sharing_a_torch_pool_token_share_a_pausable_pool(cumem, saver):
     saver._release_graph_pools()  # leave no cached graph segments to later tests
 
 
+
+def test_a_capture_into_a_shared_pool_holding_paused_memory_is_refused(cumem, saver):
+    """A pool shared by token keeps its segments' free blocks, a paused tag's too: torch would hand them to the next
+    capture into that pool unmapped (an illegal address at their first use, which ends the CUDA context). Refused
+    while the tag is paused; after resume the capture shares the pool as before."""
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    x = torch.randn(256, 256, device="cuda", generator=gen)
+    token = torch.cuda.graph_pool_handle()
+
+    def step():
+        return torch.tanh(x @ x) + 1.0  # the intermediate is freed during capture: a cached block in the pool
+
+    _warm_up(step)
+    first = torch.cuda.CUDAGraph()
+    with saver.cuda_graph(first, pool=token, tag="tms_paused_pool"):
+        out1 = step()
+    saver.pause("tms_paused_pool")
+    second = torch.cuda.CUDAGraph()
+    with pytest.raises(CumemError, match="holds memory of a paused tag"):
+        with saver.cuda_graph(second, pool=token, tag="tms_paused_pool"):
+            step()
+    torch.cuda.synchronize()  # nothing touched unmapped memory: the context is alive
+    saver.resume("tms_paused_pool")
+    with saver.cuda_graph(second, pool=token, tag="tms_paused_pool"):
+        out2 = step()
+    first.replay()  # in capture order, as graphs sharing a pool must be replayed
+    second.replay()
+    torch.testing.assert_close(out1, torch.tanh(x @ x) + 1.0)
+    torch.testing.assert_close(out2, torch.tanh(x @ x) + 1.0)
+    del first, second, out1, out2
+    saver._release_graph_pools()
+
 def test_disable_inside_a_region_allocates_from_torch(cumem, saver):
     with saver.region("tms_disable", enable_cpu_backup=True):
         a = torch.ones(MiB, device="cuda")

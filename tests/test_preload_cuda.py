@@ -160,3 +160,27 @@ def test_regions_disable_graphs_and_raw_cudamalloc_through_the_hook():
     assert api.cudaFree(p) == 0 and _native.preload_live_pointers() > 0  # torch's segments stay ours
     """
     _run(body)
+
+
+def test_a_region_entered_while_its_tag_is_paused_gets_fresh_memory():
+    """A region's pool in preload mode lives across its blocks and keeps its segments' free blocks. After a pause
+    they lie in unmapped memory: torch would hand the next tensor of that region one of them, and its first write
+    would end the CUDA context. The region takes a fresh pool instead; the paused tensor resumes intact."""
+    body = """
+    with tms.region("pl_paused", enable_cpu_backup=True):
+        a = torch.full((1 << 20,), 7, dtype=torch.uint8, device="cuda")
+        b = torch.empty((1 << 20,), dtype=torch.uint8, device="cuda")  # 1 MiB each: one 2 MiB segment
+    b_ptr = b.data_ptr()
+    del b  # its block stays cached in the region's pool, inside the segment the pause unmaps
+    tms.pause("pl_paused")
+    with tms.region("pl_paused", enable_cpu_backup=True):
+        c = torch.empty((1 << 20,), dtype=torch.uint8, device="cuda")
+    assert c.data_ptr() != b_ptr, "handed the cached block of a paused segment"
+    c.fill_(3)
+    torch.cuda.synchronize()
+    assert tag_of(c) is not None
+    tms.resume("pl_paused")
+    assert torch.equal(a.cpu(), torch.full((1 << 20,), 7, dtype=torch.uint8))
+    assert int(c.sum()) == 3 << 20
+    """
+    _run(body)

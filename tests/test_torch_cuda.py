@@ -433,3 +433,37 @@ def test_process_exits_cleanly_with_live_pools_and_asleep_memory():
     assert "exiting-asleep" in proc.stdout
     for bad in ("terminate called", "pure virtual", "Segmentation fault", "Traceback"):
         assert bad not in proc.stderr, proc.stderr
+
+
+def test_cudagraph_pool_holding_memory_that_sleeps_is_refused_until_it_wakes(cumem):
+    """The graph pool is shared by every capture of its tag and keeps its segments' free blocks: after a sleep
+    (the graph tag is discarded, asleep) torch would hand a new capture those blocks unmapped, and their first use
+    would end the CUDA context. The block is refused while they sleep; after the wake it serves as before."""
+    x = torch.randn(512, 512, device="cuda")
+
+    def step():
+        return torch.tanh(x @ x) * 2.0  # the intermediate is freed during capture: a cached block in the pool
+
+    step()
+    torch.cuda.synchronize()
+    first = torch.cuda.CUDAGraph()
+    with cumem.cudagraph_pool("graph_asleep") as pool_id:
+        with torch.cuda.graph(first, pool=pool_id):
+            out = step()
+    cumem.sleep(offload_tags=())
+    second = torch.cuda.CUDAGraph()
+    with pytest.raises(CumemError, match="wake 'graph_asleep' first"):
+        with cumem.cudagraph_pool("graph_asleep") as pool_id:
+            with torch.cuda.graph(second, pool=pool_id):
+                step()
+    torch.cuda.synchronize()  # nothing touched unmapped memory: the context is alive
+    cumem.wake_up()
+    with cumem.cudagraph_pool("graph_asleep") as pool_id:
+        with torch.cuda.graph(second, pool=pool_id):
+            out2 = step()
+    first.replay()
+    second.replay()
+    torch.testing.assert_close(out, torch.tanh(x @ x) * 2.0)
+    torch.testing.assert_close(out2, torch.tanh(x @ x) * 2.0)
+    del first, second, out, out2
+    cumem.release_pools()

@@ -9,10 +9,15 @@ under a tag (`pool_block`). torch's MemPool caveats are handled here and nowhere
   is under way). Pools to drop wait until the last active block, on any thread, has ended.
 * `expandable_segments` cannot be used with a MemPool (pytorch#147851): it is switched off while a pool block is
   active and the complete previous allocator settings string is restored afterwards.
+* A pool that outlives one block (a region's pool in preload mode, a graph pool shared by token) caches the free
+  blocks of its segments, and a paused tag's segments stay in it, unmapped: torch would hand such a block to the
+  next allocation or capture in that pool, whose first access ends the CUDA context (an illegal address, sticky).
+  `pool_holds_asleep_memory` tells; its callers take a fresh pool or refuse the capture.
 """
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import ctypes
 import os
@@ -188,6 +193,33 @@ def _segments(pool_ids: set[tuple[int, int]]) -> dict[tuple[int, int], list]:
         if pool_id is not None and tuple(pool_id) in held:
             held[tuple(pool_id)].append(segment)
     return held
+
+
+def asleep_segments(segments: Iterable[dict], asleep: list[tuple[int, int]]) -> list[int]:
+    """The addresses of those of torch's `segments` (snapshot entries) that lie in an asleep allocation;
+    `asleep` holds their (address, size), sorted by address."""
+    starts = [a for a, _ in asleep]
+    hits = []
+    for segment in segments:
+        address = int(segment["address"])
+        i = bisect.bisect_right(starts, address) - 1
+        if i >= 0 and address < asleep[i][0] + asleep[i][1]:
+            hits.append(address)
+    return hits
+
+
+def segments_in_asleep_memory(native: Allocator, segments: list[dict]) -> list[int]:
+    """The addresses of `segments` (torch's snapshot entries) that lie in allocations of `native` now asleep."""
+    if not segments:
+        return []
+    asleep = sorted((int(a["address"]), int(a["size"])) for a in native.allocations() if a["asleep"])
+    return asleep_segments(segments, asleep) if asleep else []
+
+
+def pool_holds_asleep_memory(native: Allocator, pool_id: tuple[int, int]) -> bool:
+    """Whether torch's private pool `pool_id` has a segment in memory of ours that is asleep (see the module doc)."""
+    pool_id = (int(pool_id[0]), int(pool_id[1]))
+    return bool(segments_in_asleep_memory(native, _segments({pool_id})[pool_id]))
 
 
 class EnteredPools:

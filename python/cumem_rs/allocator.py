@@ -38,7 +38,17 @@ import torch
 
 from . import _native
 from ._native import Allocator, ClosedError, CumemError, CumemTypeError, CumemValueError
-from ._pools import LIB_NAME, EnteredPools, check_tag, new_pool, pluggable, pool_activity, pool_block, tag_tuple
+from ._pools import (
+    LIB_NAME,
+    EnteredPools,
+    check_tag,
+    new_pool,
+    pluggable,
+    pool_activity,
+    pool_block,
+    pool_holds_asleep_memory,
+    tag_tuple,
+)
 from ._records import AllocationRecords
 from .logs import forward_native_logs
 from .results import BackupTier, Compress, Report, Stats, Status, WakeFill
@@ -249,19 +259,37 @@ class CuMemAllocator:
         Capture inside this block (it sets the tag and keeps expandable segments off). The same pool is returned
         for the same tag and device until `release_pools()`, so graphs captured in turn share their memory.
         vLLM itself captures graphs into the default torch pool; this is the opt-in to have them sleep too.
+        While that pool holds memory of a tag that sleeps, the block is refused with CumemError: torch would hand a
+        capture the pool's cached blocks there, unmapped, and their first use would end the CUDA context.
         """
         tag = check_tag(tag)
         self._check_open()
         key = (tag, torch.cuda.current_device())
         with self._lock:
             pool = self._graph_pools.get(key)
+            fresh = pool is None
             if pool is None:
                 pool = self._graph_pools[key] = new_pool()
                 self._entered.add(tag, pool)
         pool_id = pool.id
         del pool
+        if not fresh:
+            self._refuse_asleep_graph_pool(tag, pool_id)
         with pool_block(self._native, tag):
             yield pool_id
+
+    def _refuse_asleep_graph_pool(self, tag: str, pool_id: tuple[int, int]) -> None:
+        try:
+            holds = pool_holds_asleep_memory(self._native, pool_id)
+        except Exception as e:  # cannot tell: the block goes on as before, and says so
+            logger.warning("cumem_rs: could not tell whether the graph pool of %r holds memory asleep: %s", tag, e)
+            return
+        if holds:
+            raise CumemError(
+                f"cudagraph_pool({tag!r}): its pool holds memory that sleeps, which a capture would be handed "
+                f"unmapped (its first use would end the CUDA context); wake {tag!r} first (wake_up() or "
+                f"wake_up(tags=[{tag!r}]))"
+            )
 
     #: The name newer vLLM uses for `cudagraph_pool`.
     use_cudagraph_pool = cudagraph_pool
