@@ -164,18 +164,7 @@ impl HostPool {
     /// given up. The first error is reported after all were tried, and buffers the driver refused stay cached for
     /// a later trim.
     pub fn trim(&mut self) -> Result<usize> {
-        let mut freed = 0;
-        let mut first_err = None;
-        for buf in std::mem::take(&mut self.cached) {
-            let len = buf.len();
-            match self.release_or_keep(buf) {
-                Ok(()) => freed += len,
-                Err(e) => {
-                    first_err.get_or_insert(e);
-                }
-            }
-        }
-        first_err.map_or(Ok(freed), Err)
+        self.trim_unless(|_| false)
     }
 
     /// Return to the OS every cached buffer for which `keep` says no (off the caller's thread where large, as
