@@ -35,6 +35,7 @@ use stream::{Batch, Until, Work};
 
 mod codec;
 mod host_pins;
+mod mapped;
 mod slices;
 mod stream;
 #[cfg(test)]
@@ -281,88 +282,6 @@ impl Emulator {
     }
 }
 
-impl State {
-    /// The reserved range that wholly contains [addr, addr+size).
-    fn range_of(&self, addr: u64, size: usize) -> Option<(u64, &Range)> {
-        let (&start, range) = self.ranges.range(..=addr).next_back()?;
-        (addr + size as u64 <= start + range.size as u64).then_some((start, range))
-    }
-
-    /// True when [addr, addr+size) is covered by accessible mappings without holes.
-    fn accessible(&self, addr: u64, size: usize) -> bool {
-        let Some((_, range)) = self.range_of(addr, size) else {
-            return false;
-        };
-        let end = addr + size as u64;
-        let mut cursor = addr;
-        if let Some((&s, m)) = range.maps.range(..=addr).next_back() {
-            if s + m.size as u64 > addr && m.accessible {
-                cursor = s + m.size as u64;
-            } else {
-                return false;
-            }
-        }
-        for (&s, m) in range.maps.range(addr + 1..end) {
-            if s != cursor || !m.accessible {
-                return false;
-            }
-            cursor = s + m.size as u64;
-        }
-        cursor >= end
-    }
-
-    /// What both copy directions check, as CUDA would reject them: the device side (`role`: "source" or
-    /// "destination") is mapped and accessible, and the host side stays inside one registration.
-    fn check_copy(
-        &self,
-        op: Op,
-        device_side: DevPtr,
-        role: &str,
-        host: usize,
-        size: usize,
-    ) -> Result<()> {
-        if !self.accessible(device_side, size) {
-            return Err(cuda_err(
-                op,
-                cuda_code::INVALID_VALUE,
-                &format!("{role} not mapped"),
-            ));
-        }
-        if !self.host.range_ok(host, size) {
-            return Err(cuda_err(
-                op,
-                cuda_code::INVALID_VALUE,
-                "host range spans registrations",
-            ));
-        }
-        Ok(())
-    }
-
-    /// Fail `op` as CUDA does when pinning `size` more host bytes would pass the budget.
-    fn check_host_budget(&self, op: Op, size: usize, budget: Option<usize>) -> Result<()> {
-        match budget {
-            Some(b) if self.host.pinned().saturating_add(size) > b => Err(cuda_err(
-                op,
-                cuda_code::OUT_OF_MEMORY,
-                "simulated host memory budget",
-            )),
-            _ => Ok(()),
-        }
-    }
-
-    fn drop_handle_if_done(&mut self, handle: u64) {
-        let done = self
-            .handles
-            .get(&handle)
-            .is_some_and(|h| h.released && h.map_count == 0);
-        if done {
-            let h = self.handles.remove(&handle).expect("checked above");
-            self.used[h.device as usize] -= h.size;
-            self.slices[h.device as usize].give_back(h.offset, h.size);
-        }
-    }
-}
-
 impl Driver for Emulator {
     fn backend(&self) -> &'static str {
         "sim"
@@ -586,11 +505,7 @@ impl Driver for Emulator {
             }
         }
         // Queued work would run on whatever is mapped here next, or fault: caught here, where it is early.
-        if let Some(work) = st.queued_on_device(addr, size, |_| true) {
-            let what =
-                format!("unmap of device [{addr:#x}, +{size:#x}) while {work} is unfinished");
-            return Err(st.poison(Op::Unmap, what));
-        }
+        st.nothing_queued_on_device(Op::Unmap, addr, size)?;
         // SAFETY: [addr, addr+size) is exactly one mapping of ours; it becomes a PROT_NONE placeholder again, so the
         // reservation keeps the address range.
         unsafe {
@@ -773,17 +688,8 @@ impl Driver for Emulator {
 
     fn user_device_access(&self, device: i32, addr: DevPtr, len: usize, write: bool) -> Result<()> {
         self.check_device(device)?;
-        let mut st = self.lock_live(Op::Synchronize)?;
-        // Reading what queued work writes, or writing what it reads or writes, races with the stream.
-        if let Some(work) = st.queued_on_device(addr, len.max(1), |w| w || write) {
-            let how = if write { "write" } else { "read" };
-            let what = format!(
-                "data race: the user's {how} of device [{addr:#x}, +{len:#x}) while {work} is unfinished (a call \
-                 returned before its copies finished)"
-            );
-            return Err(st.poison(Op::Synchronize, what));
-        }
-        Ok(())
+        self.lock_live(Op::Synchronize)?
+            .no_race_with_user(addr, len, write)
     }
 
     unsafe fn host_register(&self, ptr: HostPtr, size: usize) -> Result<()> {
@@ -806,13 +712,7 @@ impl Driver for Emulator {
     unsafe fn host_unregister(&self, ptr: HostPtr) -> Result<()> {
         let mut st = self.lock_live(Op::HostUnregister)?;
         let len = st.host.registered_len(ptr.0).unwrap_or(0);
-        if let Some(work) = st.queued_on_host(ptr.0, len) {
-            let what = format!(
-                "host_unregister of host [{:#x}, +{len:#x}) while {work} is unfinished",
-                ptr.0
-            );
-            return Err(st.poison(Op::HostUnregister, what));
-        }
+        st.nothing_queued_on_host(Op::HostUnregister, ptr.0, len)?;
         if !st.host.unregister(ptr.0) {
             return Err(cuda_err(
                 Op::HostUnregister,
@@ -843,14 +743,8 @@ impl Driver for Emulator {
     unsafe fn host_free(&self, ptr: HostPtr) -> Result<()> {
         let mut st = self.lock_live(Op::HostAlloc)?;
         let len = st.host.allocated_len(ptr.0).unwrap_or(0);
-        if let Some(work) = st.queued_on_host(ptr.0, len) {
-            // Kept mapped: the context is dead, nothing will run, and the caller may not touch it again.
-            let what = format!(
-                "host_free of host [{:#x}, +{len:#x}) while {work} is unfinished",
-                ptr.0
-            );
-            return Err(st.poison(Op::HostAlloc, what));
-        }
+        // Refused, so kept mapped: the context is dead, nothing will run, and the caller may not touch it again.
+        st.nothing_queued_on_host(Op::HostAlloc, ptr.0, len)?;
         let size = st.host.remove_allocation(ptr.0).ok_or_else(|| {
             let code = cuda_code::INVALID_VALUE;
             let name = cuda_code::name(code);

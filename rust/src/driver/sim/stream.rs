@@ -233,9 +233,66 @@ impl State {
         Ok(())
     }
 
+    /// Poison the context (as `op`, "unmap") when queued work touches device memory [addr, addr+size).
+    pub(super) fn nothing_queued_on_device(
+        &mut self,
+        op: Op,
+        addr: DevPtr,
+        size: usize,
+    ) -> Result<()> {
+        match self.queued_on_device(addr, size, |_| true) {
+            None => Ok(()),
+            Some(work) => {
+                let what = format!(
+                    "{} of device [{addr:#x}, +{size:#x}) while {work} is unfinished",
+                    op.name()
+                );
+                Err(self.poison(op, what))
+            }
+        }
+    }
+
+    /// Poison the context (as `op`: host_unregister, host_free) when queued work touches host [ptr, ptr+len).
+    pub(super) fn nothing_queued_on_host(&mut self, op: Op, ptr: usize, len: usize) -> Result<()> {
+        match self.queued_on_host(ptr, len) {
+            None => Ok(()),
+            Some(work) => {
+                let name = if op == Op::HostAlloc {
+                    "host_free"
+                } else {
+                    op.name()
+                };
+                let what =
+                    format!("{name} of host [{ptr:#x}, +{len:#x}) while {work} is unfinished");
+                Err(self.poison(op, what))
+            }
+        }
+    }
+
+    /// Poison the context when the user's read (or `write`) of device [addr, addr+len) races with queued work:
+    /// reading what it writes, or writing what it reads or writes.
+    pub(super) fn no_race_with_user(
+        &mut self,
+        addr: DevPtr,
+        len: usize,
+        write: bool,
+    ) -> Result<()> {
+        match self.queued_on_device(addr, len.max(1), |w| w || write) {
+            None => Ok(()),
+            Some(work) => {
+                let how = if write { "write" } else { "read" };
+                let what = format!(
+                    "data race: the user's {how} of device [{addr:#x}, +{len:#x}) while {work} is unfinished (a \
+                     call returned before its copies finished)"
+                );
+                Err(self.poison(Op::Synchronize, what))
+            }
+        }
+    }
+
     /// The first queued work (with its device) that touches device memory [addr, addr+size) in a way `conflicts`
     /// (given whether the work writes) says matters.
-    pub(super) fn queued_on_device(
+    fn queued_on_device(
         &self,
         addr: DevPtr,
         size: usize,
@@ -253,7 +310,7 @@ impl State {
     }
 
     /// The first queued work (with its device) whose host side overlaps [ptr, ptr+size).
-    pub(super) fn queued_on_host(&self, ptr: usize, size: usize) -> Option<String> {
+    fn queued_on_host(&self, ptr: usize, size: usize) -> Option<String> {
         self.streams.iter().enumerate().find_map(|(d, q)| {
             q.iter()
                 .find(|w| {
