@@ -41,6 +41,8 @@ pub struct FaultInjector<D> {
     armed: Mutex<Armed>,
     /// The wrong first bytes that `Op::CorruptCopyH2D` copies behind the copy it corrupts: they must live until
     /// that copy ran, and it is queued, so they live as long as the injector (one byte per fault fired).
+    /// Boxed so that each byte keeps its address while the Vec grows.
+    #[allow(clippy::vec_box)]
     corrupt_bytes: Mutex<Vec<Box<u8>>>,
 }
 
@@ -248,6 +250,10 @@ impl<D: Driver> Driver for FaultInjector<D> {
 
     fn user_device_access(&self, device: i32, addr: DevPtr, len: usize, write: bool) -> Result<()> {
         self.inner.user_device_access(device, addr, len, write)
+    }
+
+    fn user_host_access(&self, ptr: HostPtr, len: usize, write: bool) -> Result<()> {
+        self.inner.user_host_access(ptr, len, write)
     }
 
     fn queue_fingerprints(&self, device: i32, chunks: &[(DevPtr, usize)]) -> Result<()> {

@@ -244,6 +244,13 @@ pub trait Driver: Send + Sync {
         Ok(())
     }
 
+    /// As `user_device_access`, for host memory the caller hands the user to read (or `write`) outside the copy
+    /// streams: a view of a backup. The simulated driver fails it when queued work still writes the range, or
+    /// reads it and `write` is set.
+    fn user_host_access(&self, _ptr: HostPtr, _len: usize, _write: bool) -> Result<()> {
+        Ok(())
+    }
+
     /// Queue on the copy stream of `device`, behind the copies queued so far, the fingerprints
     /// (`crate::fingerprint`) of the device ranges `chunks` ((addr, len), len a multiple of 16). One batch per
     /// device at a time: read it with `take_fingerprints` once the stream has passed it (after `wait`, or a

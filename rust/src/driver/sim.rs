@@ -692,6 +692,11 @@ impl Driver for Emulator {
             .no_race_with_user(addr, len, write)
     }
 
+    fn user_host_access(&self, ptr: HostPtr, len: usize, write: bool) -> Result<()> {
+        self.lock_live(Op::Synchronize)?
+            .no_race_with_user_on_host(ptr.0, len, write)
+    }
+
     unsafe fn host_register(&self, ptr: HostPtr, size: usize) -> Result<()> {
         if !self.config.host_register_delay.is_zero() {
             std::thread::sleep(self.config.host_register_delay);

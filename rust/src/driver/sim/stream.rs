@@ -69,11 +69,11 @@ impl Work {
         }
     }
 
-    /// The host range it touches, if any.
-    fn host_range(&self) -> Option<(usize, usize)> {
+    /// The host range it touches, if any, with whether it writes it.
+    fn host_range(&self) -> Option<(usize, usize, bool)> {
         match self {
-            Work::D2H { dst, size, .. } => Some((*dst, *size)),
-            Work::H2D { src, size, .. } => Some((*src, *size)),
+            Work::D2H { dst, size, .. } => Some((*dst, *size, true)),
+            Work::H2D { src, size, .. } => Some((*src, *size, false)),
             _ => None,
         }
     }
@@ -254,7 +254,7 @@ impl State {
 
     /// Poison the context (as `op`: host_unregister, host_free) when queued work touches host [ptr, ptr+len).
     pub(super) fn nothing_queued_on_host(&mut self, op: Op, ptr: usize, len: usize) -> Result<()> {
-        match self.queued_on_host(ptr, len) {
+        match self.queued_on_host(ptr, len, |_| true) {
             None => Ok(()),
             Some(work) => {
                 let name = if op == Op::HostAlloc {
@@ -290,6 +290,26 @@ impl State {
         }
     }
 
+    /// As `no_race_with_user`, for host memory [ptr, ptr+len) the user is handed (a view of a backup).
+    pub(super) fn no_race_with_user_on_host(
+        &mut self,
+        ptr: usize,
+        len: usize,
+        write: bool,
+    ) -> Result<()> {
+        match self.queued_on_host(ptr, len.max(1), |w| w || write) {
+            None => Ok(()),
+            Some(work) => {
+                let how = if write { "writable view" } else { "view" };
+                let what = format!(
+                    "data race: a {how} of host [{ptr:#x}, +{len:#x}) handed to the user while {work} is \
+                     unfinished (a call returned before its copies finished)"
+                );
+                Err(self.poison(Op::Synchronize, what))
+            }
+        }
+    }
+
     /// The first queued work (with its device) that touches device memory [addr, addr+size) in a way `conflicts`
     /// (given whether the work writes) says matters.
     fn queued_on_device(
@@ -310,12 +330,18 @@ impl State {
     }
 
     /// The first queued work (with its device) whose host side overlaps [ptr, ptr+size).
-    fn queued_on_host(&self, ptr: usize, size: usize) -> Option<String> {
+    fn queued_on_host(
+        &self,
+        ptr: usize,
+        size: usize,
+        conflicts: impl Fn(bool) -> bool,
+    ) -> Option<String> {
         self.streams.iter().enumerate().find_map(|(d, q)| {
             q.iter()
                 .find(|w| {
-                    w.host_range()
-                        .is_some_and(|(p, l)| overlaps(p as u64, l, ptr as u64, size))
+                    w.host_range().is_some_and(|(p, l, writes)| {
+                        conflicts(writes) && overlaps(p as u64, l, ptr as u64, size)
+                    })
                 })
                 .map(|w| format!("{} queued on device {d}", w.describe()))
         })

@@ -332,3 +332,30 @@ fn a_corrupting_copy_fault_flips_the_byte_in_stream_order() {
     assert_eq!(out[0], 9 ^ 0x5A);
     assert!(out[1..].iter().all(|&b| b == 9));
 }
+
+#[test]
+fn handing_the_user_host_memory_that_queued_work_uses_is_a_data_race() {
+    let d = sim();
+    let (a, _) = mapped(&d);
+    let data = vec![1u8; 64];
+    queue_h2d(&d, a, &data); // reads `data`
+    let at = HostPtr(data.as_ptr() as usize);
+    d.user_host_access(at, 64, false).unwrap();
+    let e = d.user_host_access(at, 64, true).unwrap_err();
+    assert!(
+        is_illegal_address(&e) && e.to_string().contains("writable view"),
+        "{e}"
+    );
+
+    let d = sim();
+    let (a, _) = mapped(&d);
+    let mut out = vec![0u8; 64];
+    queue_d2h(&d, &mut out, a); // writes `out`
+    let e = d
+        .user_host_access(HostPtr(out.as_ptr() as usize + 32), 8, false)
+        .unwrap_err();
+    assert!(
+        e.to_string().contains("data race") && e.to_string().contains("copy_d2h"),
+        "{e}"
+    );
+}
