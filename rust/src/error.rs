@@ -58,9 +58,12 @@ pub mod cuda_code {
         CUresult::CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED as i32;
     pub const NOT_PERMITTED: i32 = CUresult::CUDA_ERROR_NOT_PERMITTED as i32;
     pub const UNKNOWN: i32 = CUresult::CUDA_ERROR_UNKNOWN as i32;
+    /// 700: device work touched memory that is not mapped (or host memory no longer pinned). Sticky: every
+    /// later call of the context fails with it.
+    pub const ILLEGAL_ADDRESS: i32 = CUresult::CUDA_ERROR_ILLEGAL_ADDRESS as i32;
 
     /// The codes above, by their `CUresult`, whose `Debug` form is the name `cuGetErrorName` gives.
-    const NAMED: [CUresult; 7] = [
+    const NAMED: [CUresult; 8] = [
         CUresult::CUDA_ERROR_INVALID_VALUE,
         CUresult::CUDA_ERROR_OUT_OF_MEMORY,
         CUresult::CUDA_ERROR_INVALID_HANDLE,
@@ -68,6 +71,7 @@ pub mod cuda_code {
         CUresult::CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED,
         CUresult::CUDA_ERROR_NOT_PERMITTED,
         CUresult::CUDA_ERROR_UNKNOWN,
+        CUresult::CUDA_ERROR_ILLEGAL_ADDRESS,
     ];
 
     /// "CUDA_ERROR_INVALID_VALUE" and so on for a code of the table; other codes read as CUDA_ERROR_UNKNOWN

@@ -101,6 +101,7 @@ impl Allocator {
                     .transpose()?,
                 host_register_delay: std::time::Duration::from_secs_f64(host_register_delay),
                 compress,
+                stream_order: defaults.stream_order,
             };
             let sim = Arc::new(SimDriver::new(config)?);
             let engine = Engine::new(sim.clone())?;

@@ -23,6 +23,7 @@ fn engine_with(host_memory: Option<usize>, delay_ms: u64) -> (Arc<SimDriver>, En
             host_register_delay: Duration::from_millis(delay_ms),
             // The raw path: these tests count the cells pinned ahead and used by the sleep's copies.
             compress: false,
+            ..SimConfig::default()
         })
         .unwrap(),
     );

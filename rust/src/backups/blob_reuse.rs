@@ -102,4 +102,3 @@ fn fit(arena: &HostBuffer, from: usize, end: usize, len: usize) -> Option<usize>
 pub(super) fn padded(len: usize) -> usize {
     len + (len / 100).next_multiple_of(64)
 }
-

@@ -39,6 +39,11 @@ struct Armed {
 pub struct FaultInjector<D> {
     inner: D,
     armed: Mutex<Armed>,
+    /// The wrong first bytes that `Op::CorruptCopyH2D` copies behind the copy it corrupts: they must live until
+    /// that copy ran, and it is queued, so they live as long as the injector (one byte per fault fired).
+    /// Boxed so that each byte keeps its address while the Vec grows.
+    #[allow(clippy::vec_box)]
+    corrupt_bytes: Mutex<Vec<Box<u8>>>,
 }
 
 impl<D> FaultInjector<D> {
@@ -47,6 +52,7 @@ impl<D> FaultInjector<D> {
         FaultInjector {
             inner,
             armed: Mutex::new(Armed::default()),
+            corrupt_bytes: Mutex::new(Vec::new()),
         }
     }
 
@@ -188,13 +194,23 @@ impl<D: Driver> Driver for FaultInjector<D> {
     }
 
     /// `Op::CorruptCopyH2D` lets the copy succeed and then flips its first byte on the device (as a host copy
-    /// damaged where it lay would restore it), so that tests reach the wake's verification of raw backups.
+    /// damaged where it lay would restore it), so that tests reach the wake's verification of raw backups. The
+    /// flip is a one-byte copy queued behind it, so the stream's order is kept (waiting here would run work that
+    /// the caller has not waited for yet, and hide a missing wait).
     unsafe fn copy_h2d(&self, device: i32, dst: DevPtr, src: HostPtr, size: usize) -> Result<()> {
         self.enter(Op::CopyH2D)?;
         // SAFETY: forwarded under the caller's contract of this unsafe fn.
         unsafe { self.inner.copy_h2d(device, dst, src, size)? };
         if size > 0 && self.enter(Op::CorruptCopyH2D).is_err() {
-            flip_first_byte(&self.inner, device, dst)?;
+            // SAFETY: `src` is valid for reads of `size` > 0 bytes and not written until the copy finished (the
+            // caller's contract), so its first byte now is what the copy will carry.
+            let first = unsafe { *(src.0 as *const u8) };
+            let wrong = Box::new(first ^ 0x5A);
+            let at = HostPtr(&*wrong as *const u8 as usize);
+            self.corrupt_bytes.lock().push(wrong);
+            // SAFETY: the byte at `at` lives in `corrupt_bytes` as long as this injector, is never written again,
+            // and the driver inside lives as long (it is a field).
+            unsafe { self.inner.copy_h2d(device, dst, at, 1)? };
         }
         Ok(())
     }
@@ -204,9 +220,13 @@ impl<D: Driver> Driver for FaultInjector<D> {
         self.inner.memset_zero(device, addr, size)
     }
 
+    /// A failed wait (and a failed `synchronize`) still reaches the driver inside, as `wait_marker` does: the
+    /// fault is a wait that reports an error, not a stream left running behind the caller's back (on CUDA such
+    /// errors are sticky: the context runs nothing more).
     fn wait(&self, device: i32) -> Result<()> {
-        self.enter(Op::Wait)?;
-        self.inner.wait(device)
+        let injected = self.enter(Op::Wait);
+        let answer = self.inner.wait(device);
+        injected.and(answer)
     }
 
     fn record_marker(&self, device: i32) -> Result<u64> {
@@ -223,8 +243,17 @@ impl<D: Driver> Driver for FaultInjector<D> {
     }
 
     fn synchronize(&self, device: i32, stream: u64) -> Result<()> {
-        self.enter(Op::Synchronize)?;
-        self.inner.synchronize(device, stream)
+        let injected = self.enter(Op::Synchronize);
+        let answer = self.inner.synchronize(device, stream);
+        injected.and(answer)
+    }
+
+    fn user_device_access(&self, device: i32, addr: DevPtr, len: usize, write: bool) -> Result<()> {
+        self.inner.user_device_access(device, addr, len, write)
+    }
+
+    fn user_host_access(&self, ptr: HostPtr, len: usize, write: bool) -> Result<()> {
+        self.inner.user_host_access(ptr, len, write)
     }
 
     fn queue_fingerprints(&self, device: i32, chunks: &[(DevPtr, usize)]) -> Result<()> {

@@ -230,6 +230,27 @@ pub trait Driver: Send + Sync {
     /// when that stream is being captured into a CUDA graph, this must not synchronize (and returns Ok).
     fn synchronize(&self, device: i32, stream: u64) -> Result<()>;
 
+    /// Said before the caller touches `[addr, addr+len)` of `device` outside the copy stream (the engine's read,
+    /// write and prints for users and tests), after which it synchronizes the device. CUDA has nothing to check;
+    /// the simulated driver, which knows its stream, fails it (as a data race) when queued work still writes the
+    /// range, or reads it and `write` is set: a call that returned before its copies finished.
+    fn user_device_access(
+        &self,
+        _device: i32,
+        _addr: DevPtr,
+        _len: usize,
+        _write: bool,
+    ) -> Result<()> {
+        Ok(())
+    }
+
+    /// As `user_device_access`, for host memory the caller hands the user to read (or `write`) outside the copy
+    /// streams: a view of a backup. The simulated driver fails it when queued work still writes the range, or
+    /// reads it and `write` is set.
+    fn user_host_access(&self, _ptr: HostPtr, _len: usize, _write: bool) -> Result<()> {
+        Ok(())
+    }
+
     /// Queue on the copy stream of `device`, behind the copies queued so far, the fingerprints
     /// (`crate::fingerprint`) of the device ranges `chunks` ((addr, len), len a multiple of 16). One batch per
     /// device at a time: read it with `take_fingerprints` once the stream has passed it (after `wait`, or a

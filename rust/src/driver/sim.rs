@@ -5,7 +5,9 @@
 //!   capacity;
 //! - map = `mmap(MAP_FIXED | MAP_SHARED)` of the slice over the range, still inaccessible until `set_access`
 //!   (as on CUDA, where mapped memory faults until cuMemSetAccess); unmap = `PROT_NONE` reservation again;
-//! - copies are memcpy, after checking the device side is mapped and accessible (CUDA fails such copies too);
+//! - copies, fills and fingerprint batches are checked when queued (the device side mapped and accessible, as
+//!   CUDA checks them) and run in order when their stream is waited for (`sim/stream.rs`): memory released
+//!   under queued work is CUDA's sticky illegal address here too;
 //! - fresh physical memory is filled with `POISON`, so discarded data never silently reads as zero or as the
 //!   old contents (only an explicit `memset_zero`, asked for by a tag's wake-fill policy, zeroes it);
 //! - errors carry the codes CUDA gives (`crate::error::cuda_code`).
@@ -16,11 +18,11 @@
 //!
 //! This is shipped code, not a test double: users run their sleep/wake logic on it in CPU-only CI.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::ffi::c_void;
 use std::sync::atomic::Ordering::Relaxed;
 
-use parking_lot::Mutex;
+use parking_lot::{Mutex, MutexGuard};
 use rustix::mm::{mmap, mmap_anonymous, mprotect, munmap, MapFlags, MprotectFlags, ProtFlags};
 
 use super::codec::DeviceCodec;
@@ -29,10 +31,13 @@ use super::sim_codec::SimCodecCounts;
 use super::{DevPtr, DeviceInfo, Driver, HostPtr, Op, PhysHandle};
 use crate::error::{cuda_code, Error, Result};
 use crate::fingerprint::{self, Fingerprint};
+use stream::{Batch, Until, Work};
 
 mod codec;
 mod host_pins;
+mod mapped;
 mod slices;
+mod stream;
 #[cfg(test)]
 mod tests;
 
@@ -61,6 +66,9 @@ pub struct SimConfig {
     /// Offer the host codec (`sim_codec.rs`) for compressed backups; off: every backup is raw, as on a machine
     /// without nvCOMP.
     pub compress: bool,
+    /// Run copies, fills and fingerprint batches when their stream is waited for, as CUDA does (`sim/stream.rs`);
+    /// off: each runs as it is queued, which hides work released before it was waited for.
+    pub stream_order: bool,
 }
 
 impl Default for SimConfig {
@@ -72,6 +80,7 @@ impl Default for SimConfig {
             host_memory: None,
             host_register_delay: std::time::Duration::ZERO,
             compress: true,
+            stream_order: true,
         }
     }
 }
@@ -108,11 +117,15 @@ struct State {
     /// Physical memory of each device.
     slices: Vec<Slices>,
     host: HostPins,
-    /// Markers recorded and not yet waited for (leak check: CUDA events must be destroyed).
-    markers: std::collections::HashSet<u64>,
+    /// Markers recorded and not yet waited for, with their device (leak check: CUDA events must be destroyed).
+    markers: HashMap<u64, usize>,
     next_marker: u64,
     /// Fingerprint batches queued and not yet taken, per device.
-    fingerprints: HashMap<i32, Vec<Fingerprint>>,
+    fingerprints: HashMap<i32, Batch>,
+    /// Each device's copy stream: work queued and not yet run.
+    streams: Vec<VecDeque<Work>>,
+    /// The first illegal access, once there was one: the context is dead (CUDA's sticky error).
+    sticky: Option<String>,
 }
 
 /// Live resources and call counts, for leak checks and for sizing fault-injection walks.
@@ -129,6 +142,8 @@ pub struct SimCounts {
     pub markers: usize,
     /// Fingerprint batches queued and not taken (each must be taken, like markers waited for).
     pub fingerprint_batches: usize,
+    /// Work queued on the copy streams and not yet run (markers included).
+    pub queued: usize,
     /// What the host codec did (`sim_codec::SimCodecCounts`): ranges compressed, of them stored raw, restored.
     pub codec_compressed: u64,
     pub codec_stored_raw: u64,
@@ -199,6 +214,7 @@ impl Emulator {
         let state = State {
             used: vec![0; config.devices],
             slices: (0..config.devices).map(|_| Slices::default()).collect(),
+            streams: (0..config.devices).map(|_| VecDeque::new()).collect(),
             next_handle: 1,
             ..State::default()
         };
@@ -233,11 +249,24 @@ impl Emulator {
             host_pinned: (st.host.pinned(), st.host.peak()),
             markers: st.markers.len(),
             fingerprint_batches: st.fingerprints.len(),
+            queued: st.queued(),
             codec_compressed: self.codec_counts.compressed.load(Relaxed),
             codec_stored_raw: self.codec_counts.stored_raw.load(Relaxed),
             codec_decompressed: self.codec_counts.decompressed.load(Relaxed),
             calls: Vec::new(),
         }
+    }
+
+    /// The state, for a call of `op`, unless the context is poisoned.
+    fn lock_live(&self, op: Op) -> Result<MutexGuard<'_, State>> {
+        let st = self.state.lock();
+        st.live(op)?;
+        Ok(st)
+    }
+
+    /// The first illegal access, if the emulated context is poisoned (`sim/stream.rs`).
+    pub fn sticky_error(&self) -> Option<String> {
+        self.state.lock().sticky.clone()
     }
 
     fn check_device(&self, device: i32) -> Result<usize> {
@@ -250,88 +279,6 @@ impl Emulator {
                     self.config.devices
                 ))
             })
-    }
-}
-
-impl State {
-    /// The reserved range that wholly contains [addr, addr+size).
-    fn range_of(&self, addr: u64, size: usize) -> Option<(u64, &Range)> {
-        let (&start, range) = self.ranges.range(..=addr).next_back()?;
-        (addr + size as u64 <= start + range.size as u64).then_some((start, range))
-    }
-
-    /// True when [addr, addr+size) is covered by accessible mappings without holes.
-    fn accessible(&self, addr: u64, size: usize) -> bool {
-        let Some((_, range)) = self.range_of(addr, size) else {
-            return false;
-        };
-        let end = addr + size as u64;
-        let mut cursor = addr;
-        if let Some((&s, m)) = range.maps.range(..=addr).next_back() {
-            if s + m.size as u64 > addr && m.accessible {
-                cursor = s + m.size as u64;
-            } else {
-                return false;
-            }
-        }
-        for (&s, m) in range.maps.range(addr + 1..end) {
-            if s != cursor || !m.accessible {
-                return false;
-            }
-            cursor = s + m.size as u64;
-        }
-        cursor >= end
-    }
-
-    /// What both copy directions check, as CUDA would reject them: the device side (`role`: "source" or
-    /// "destination") is mapped and accessible, and the host side stays inside one registration.
-    fn check_copy(
-        &self,
-        op: Op,
-        device_side: DevPtr,
-        role: &str,
-        host: usize,
-        size: usize,
-    ) -> Result<()> {
-        if !self.accessible(device_side, size) {
-            return Err(cuda_err(
-                op,
-                cuda_code::INVALID_VALUE,
-                &format!("{role} not mapped"),
-            ));
-        }
-        if !self.host.range_ok(host, size) {
-            return Err(cuda_err(
-                op,
-                cuda_code::INVALID_VALUE,
-                "host range spans registrations",
-            ));
-        }
-        Ok(())
-    }
-
-    /// Fail `op` as CUDA does when pinning `size` more host bytes would pass the budget.
-    fn check_host_budget(&self, op: Op, size: usize, budget: Option<usize>) -> Result<()> {
-        match budget {
-            Some(b) if self.host.pinned().saturating_add(size) > b => Err(cuda_err(
-                op,
-                cuda_code::OUT_OF_MEMORY,
-                "simulated host memory budget",
-            )),
-            _ => Ok(()),
-        }
-    }
-
-    fn drop_handle_if_done(&mut self, handle: u64) {
-        let done = self
-            .handles
-            .get(&handle)
-            .is_some_and(|h| h.released && h.map_count == 0);
-        if done {
-            let h = self.handles.remove(&handle).expect("checked above");
-            self.used[h.device as usize] -= h.size;
-            self.slices[h.device as usize].give_back(h.offset, h.size);
-        }
     }
 }
 
@@ -370,7 +317,7 @@ impl Driver for Emulator {
 
     fn reserve(&self, device: i32, size: usize) -> Result<DevPtr> {
         self.check_device(device)?;
-        let mut st = self.state.lock();
+        let mut st = self.lock_live(Op::Reserve)?;
         if size == 0 || !size.is_multiple_of(self.config.granularity) {
             return Err(cuda_err(Op::Reserve, cuda_code::INVALID_VALUE, ""));
         }
@@ -413,7 +360,7 @@ impl Driver for Emulator {
     }
 
     fn free_range(&self, addr: DevPtr, size: usize) -> Result<()> {
-        let mut st = self.state.lock();
+        let mut st = self.lock_live(Op::FreeRange)?;
         match st.ranges.get(&addr) {
             Some(r) if r.size == size && r.maps.is_empty() => {}
             Some(r) if !r.maps.is_empty() => {
@@ -439,7 +386,7 @@ impl Driver for Emulator {
 
     fn create(&self, device: i32, size: usize) -> Result<PhysHandle> {
         let d = self.check_device(device)?;
-        let mut st = self.state.lock();
+        let mut st = self.lock_live(Op::Create)?;
         if size == 0 || !size.is_multiple_of(self.config.granularity) {
             return Err(cuda_err(Op::Create, cuda_code::INVALID_VALUE, ""));
         }
@@ -465,7 +412,7 @@ impl Driver for Emulator {
     }
 
     fn release(&self, handle: PhysHandle) -> Result<()> {
-        let mut st = self.state.lock();
+        let mut st = self.lock_live(Op::Release)?;
         match st.handles.get_mut(&handle.0) {
             Some(h) if !h.released => h.released = true,
             _ => {
@@ -481,7 +428,7 @@ impl Driver for Emulator {
     }
 
     fn map(&self, addr: DevPtr, size: usize, handle: PhysHandle) -> Result<()> {
-        let mut st = self.state.lock();
+        let mut st = self.lock_live(Op::Map)?;
         let invalid = |why: &str| cuda_err(Op::Map, cuda_code::INVALID_VALUE, why);
         let (start, range) = st
             .range_of(addr, size)
@@ -543,7 +490,7 @@ impl Driver for Emulator {
     }
 
     fn unmap(&self, addr: DevPtr, size: usize) -> Result<()> {
-        let mut st = self.state.lock();
+        let mut st = self.lock_live(Op::Unmap)?;
         let (start, range) = st
             .range_of(addr, size)
             .ok_or_else(|| cuda_err(Op::Unmap, cuda_code::INVALID_VALUE, "not reserved"))?;
@@ -557,6 +504,8 @@ impl Driver for Emulator {
                 ))
             }
         }
+        // Queued work would run on whatever is mapped here next, or fault: caught here, where it is early.
+        st.nothing_queued_on_device(Op::Unmap, addr, size)?;
         // SAFETY: [addr, addr+size) is exactly one mapping of ours; it becomes a PROT_NONE placeholder again, so the
         // reservation keeps the address range.
         unsafe {
@@ -584,7 +533,7 @@ impl Driver for Emulator {
 
     fn set_access(&self, device: i32, addr: DevPtr, size: usize) -> Result<()> {
         self.check_device(device)?;
-        let mut st = self.state.lock();
+        let mut st = self.lock_live(Op::SetAccess)?;
         let start = match st.range_of(addr, size) {
             Some((start, r)) if r.maps.get(&addr).is_some_and(|m| m.size == size) => start,
             _ => {
@@ -615,27 +564,36 @@ impl Driver for Emulator {
     }
 
     unsafe fn copy_d2h(&self, device: i32, dst: HostPtr, src: DevPtr, size: usize) -> Result<()> {
-        self.check_device(device)?;
-        let st = self.state.lock();
+        let d = self.check_device(device)?;
+        let mut st = self.lock_live(Op::CopyD2H)?;
         st.check_copy(Op::CopyD2H, src, "source", dst.0, size)?;
-        // SAFETY: the source is mapped read-write (checked under the lock, which unmap also takes); the destination
-        // is valid for `size` bytes of writes (the caller's contract of this unsafe fn).
-        unsafe { std::ptr::copy_nonoverlapping(src as *const u8, dst.0 as *mut u8, size) };
-        Ok(())
+        let pinned = st.host.pinned_covers(dst.0, size);
+        let work = Work::D2H {
+            dst: dst.0,
+            src,
+            size,
+            pinned,
+        };
+        st.queue(Op::CopyD2H, d, work, self.config.stream_order)
     }
 
     unsafe fn copy_h2d(&self, device: i32, dst: DevPtr, src: HostPtr, size: usize) -> Result<()> {
-        self.check_device(device)?;
-        let st = self.state.lock();
+        let d = self.check_device(device)?;
+        let mut st = self.lock_live(Op::CopyH2D)?;
         st.check_copy(Op::CopyH2D, dst, "destination", src.0, size)?;
-        // SAFETY: as in copy_d2h, with the roles swapped.
-        unsafe { std::ptr::copy_nonoverlapping(src.0 as *const u8, dst as *mut u8, size) };
-        Ok(())
+        let pinned = st.host.pinned_covers(src.0, size);
+        let work = Work::H2D {
+            dst,
+            src: src.0,
+            size,
+            pinned,
+        };
+        st.queue(Op::CopyH2D, d, work, self.config.stream_order)
     }
 
     fn memset_zero(&self, device: i32, addr: DevPtr, size: usize) -> Result<()> {
-        self.check_device(device)?;
-        let st = self.state.lock();
+        let d = self.check_device(device)?;
+        let mut st = self.lock_live(Op::MemsetZero)?;
         if !st.accessible(addr, size) {
             return Err(cuda_err(
                 Op::MemsetZero,
@@ -643,85 +601,107 @@ impl Driver for Emulator {
                 "destination not mapped",
             ));
         }
-        // SAFETY: the range is mapped read-write (checked under the lock, which unmap also takes).
-        unsafe { std::ptr::write_bytes(addr as *mut u8, 0, size) };
-        Ok(())
+        let work = Work::Memset { addr, size };
+        st.queue(Op::MemsetZero, d, work, self.config.stream_order)
     }
 
     fn wait(&self, device: i32) -> Result<()> {
-        self.check_device(device)?; // copies are synchronous: nothing to wait for
-        Ok(())
+        let d = self.check_device(device)?;
+        self.lock_live(Op::Wait)?.run(Op::Wait, d, Until::Idle)
     }
 
     fn queue_fingerprints(&self, device: i32, chunks: &[(DevPtr, usize)]) -> Result<()> {
-        self.check_device(device)?;
-        let mut st = self.state.lock();
+        let d = self.check_device(device)?;
+        let mut st = self.lock_live(Op::Fingerprint)?;
         let invalid = |why: String| cuda_err(Op::Fingerprint, cuda_code::INVALID_VALUE, &why);
         if st.fingerprints.contains_key(&device) {
             return Err(invalid(format!(
                 "a batch is already queued on device {device}"
             )));
         }
-        let mut out = Vec::with_capacity(chunks.len());
         for &(addr, len) in chunks {
             if !len.is_multiple_of(fingerprint::WORD) || !st.accessible(addr, len.max(1)) {
                 return Err(invalid(format!(
                     "chunk {addr:#x}+{len} not mapped or not whole words"
                 )));
             }
-            // SAFETY: [addr, addr+len) is mapped and accessible (checked under the lock, which unmap also
-            // takes), so the bytes are readable for the duration of this call.
-            let bytes = unsafe { std::slice::from_raw_parts(addr as *const u8, len) };
-            out.push(fingerprint::fingerprint(bytes));
         }
-        st.fingerprints.insert(device, out);
-        Ok(())
+        st.fingerprints.insert(device, Batch::Queued);
+        let work = Work::Fingerprints {
+            chunks: chunks.to_vec(),
+        };
+        st.queue(Op::Fingerprint, d, work, self.config.stream_order)
     }
 
     fn take_fingerprints(&self, device: i32) -> Result<Vec<Fingerprint>> {
         self.check_device(device)?;
-        self.state
-            .lock()
-            .fingerprints
-            .remove(&device)
-            .ok_or_else(|| {
-                Error::InvalidState(format!("no fingerprint batch queued on device {device}"))
-            })
+        let mut st = self.state.lock();
+        let batch = st.fingerprints.remove(&device);
+        st.live(Op::Fingerprint)?;
+        match batch {
+            Some(Batch::Done(prints)) => Ok(prints),
+            // CUDA would hand out whatever the results buffer held: a race with the kernel still to run.
+            Some(Batch::Queued) => {
+                let what = format!(
+                    "fingerprint batch of device {device} taken before its stream passed it (no wait)"
+                );
+                Err(st.poison(Op::Fingerprint, what))
+            }
+            None => Err(Error::InvalidState(format!(
+                "no fingerprint batch queued on device {device}"
+            ))),
+        }
     }
 
     fn record_marker(&self, device: i32) -> Result<u64> {
-        self.check_device(device)?;
-        let mut st = self.state.lock();
+        let d = self.check_device(device)?;
+        let mut st = self.lock_live(Op::Record)?;
         st.next_marker += 1;
         let m = st.next_marker;
-        st.markers.insert(m);
+        st.markers.insert(m, d);
+        st.streams[d].push_back(Work::Marker(m));
         Ok(m)
     }
 
     fn wait_marker(&self, device: i32, marker: u64) -> Result<()> {
         self.check_device(device)?;
         let mut st = self.state.lock();
-        let known = st.markers.remove(&marker);
-        if !known {
+        let recorded_on = st.markers.remove(&marker); // forgotten also on failure (the trait's promise)
+        st.live(Op::Wait)?;
+        let Some(d) = recorded_on else {
             return Err(cuda_err(
                 Op::Wait,
                 cuda_code::INVALID_HANDLE,
                 "unknown marker",
             ));
-        }
-        Ok(())
+        };
+        st.run(Op::Wait, d, Until::Marker(marker))
     }
 
+    /// The device's only stream that the emulation runs is its copy stream (no capture is emulated): synchronizing
+    /// the device runs it.
     fn synchronize(&self, device: i32, _stream: u64) -> Result<()> {
-        self.check_device(device)?; // no device work runs behind the host's back
-        Ok(())
+        let d = self.check_device(device)?;
+        self.lock_live(Op::Synchronize)?
+            .run(Op::Synchronize, d, Until::Idle)
+    }
+
+    fn user_device_access(&self, device: i32, addr: DevPtr, len: usize, write: bool) -> Result<()> {
+        self.check_device(device)?;
+        self.lock_live(Op::Synchronize)?
+            .no_race_with_user(addr, len, write)
+    }
+
+    fn user_host_access(&self, ptr: HostPtr, len: usize, write: bool) -> Result<()> {
+        self.lock_live(Op::Synchronize)?
+            .no_race_with_user_on_host(ptr.0, len, write)
     }
 
     unsafe fn host_register(&self, ptr: HostPtr, size: usize) -> Result<()> {
         if !self.config.host_register_delay.is_zero() {
             std::thread::sleep(self.config.host_register_delay);
         }
-        let mut st = self.state.lock();
+        let mut st = self.lock_live(Op::HostRegister)?;
         st.check_host_budget(Op::HostRegister, size, self.config.host_memory)?;
         // CUDA refuses memory that is registered already, wholly or in part.
         if !st.host.register(ptr.0, size) {
@@ -735,7 +715,9 @@ impl Driver for Emulator {
     }
 
     unsafe fn host_unregister(&self, ptr: HostPtr) -> Result<()> {
-        let mut st = self.state.lock();
+        let mut st = self.lock_live(Op::HostUnregister)?;
+        let len = st.host.registered_len(ptr.0).unwrap_or(0);
+        st.nothing_queued_on_host(Op::HostUnregister, ptr.0, len)?;
         if !st.host.unregister(ptr.0) {
             return Err(cuda_err(
                 Op::HostUnregister,
@@ -747,7 +729,7 @@ impl Driver for Emulator {
     }
 
     fn host_alloc(&self, size: usize) -> Result<HostPtr> {
-        let mut st = self.state.lock();
+        let mut st = self.lock_live(Op::HostAlloc)?;
         st.check_host_budget(Op::HostAlloc, size.max(1), self.config.host_memory)?;
         // SAFETY: a fresh anonymous read-write mapping at an address the kernel chooses.
         let ptr = unsafe {
@@ -764,7 +746,10 @@ impl Driver for Emulator {
     }
 
     unsafe fn host_free(&self, ptr: HostPtr) -> Result<()> {
-        let mut st = self.state.lock();
+        let mut st = self.lock_live(Op::HostAlloc)?;
+        let len = st.host.allocated_len(ptr.0).unwrap_or(0);
+        // Refused, so kept mapped: the context is dead, nothing will run, and the caller may not touch it again.
+        st.nothing_queued_on_host(Op::HostAlloc, ptr.0, len)?;
         let size = st.host.remove_allocation(ptr.0).ok_or_else(|| {
             let code = cuda_code::INVALID_VALUE;
             let name = cuda_code::name(code);

@@ -240,6 +240,7 @@ impl Engine {
         let device = Self::awake_containing(&inner, addr, len)?;
         let mut out = vec![0u8; len];
         if len > 0 {
+            self.driver.user_device_access(device, addr, len, false)?;
             self.driver.synchronize(device, 0)?;
             driver::copy_to_slice(&*self.driver, device, addr, &mut out)?;
         }
@@ -258,6 +259,7 @@ impl Engine {
         }
         let ranges: Vec<(DevPtr, usize)> =
             fingerprint::chunk_ranges(addr, len, inner.backups.fingerprint_chunk()).collect();
+        self.driver.user_device_access(device, addr, len, false)?;
         self.driver.synchronize(device, 0)?;
         self.driver.queue_fingerprints(device, &ranges)?;
         let waited = self.driver.wait(device);
@@ -270,6 +272,8 @@ impl Engine {
         let inner = self.lock_open()?;
         let device = Self::awake_containing(&inner, addr, data.len())?;
         if !data.is_empty() {
+            self.driver
+                .user_device_access(device, addr, data.len(), true)?;
             self.driver.synchronize(device, 0)?;
             driver::copy_from_slice(&*self.driver, device, addr, data)?;
         }

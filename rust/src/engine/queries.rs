@@ -7,7 +7,7 @@ use super::{
     tag_set, AllocationInfo, BackupTier, Engine, Inner, Stats, Status, TagPolicy, TagStatus,
 };
 use crate::backups::HostView;
-use crate::driver::DevPtr;
+use crate::driver::{DevPtr, HostPtr};
 use crate::error::{Error, Result};
 use crate::registry::{Allocation, State};
 
@@ -172,7 +172,12 @@ impl Engine {
             ))
         })?;
         let (base, at) = (a.addr, (addr - a.addr) as usize);
-        Ok(inner.backups.view(base, at, len, writable))
+        let view = inner.backups.view(base, at, len, writable);
+        if let Some(v) = &view {
+            self.driver
+                .user_host_access(HostPtr(v.address()), v.len(), writable)?;
+        }
+        Ok(view)
     }
 
     /// Bytes of the arena a sleep offloading `tags` would need now: their awake allocations, except those of

@@ -94,7 +94,11 @@ mod tests {
         pool.defer = Some(|job| HELD.lock().unwrap().push(job));
         let largest = pool.pin_new(2 * DEFER_MIN).unwrap();
         pool.give_back(largest).unwrap();
-        assert_eq!(pool.cached_bytes(), 2 * DEFER_MIN, "the largest one offered is kept");
+        assert_eq!(
+            pool.cached_bytes(),
+            2 * DEFER_MIN,
+            "the largest one offered is kept"
+        );
         let big = pool.pin_new(DEFER_MIN).unwrap();
         let small = pool.pin_new(1 << 20).unwrap();
         pool.give_back(small).unwrap();
@@ -130,11 +134,16 @@ mod tests {
         let driver: Arc<dyn Driver> = sim.clone();
         let mut pool = HostPool::new(driver);
         pool.keep = false;
-        pool.defer = Some(|_job| panic!("memory not kept must not be handed to the background thread"));
+        pool.defer =
+            Some(|_job| panic!("memory not kept must not be handed to the background thread"));
         let big = pool.pin_new(DEFER_MIN).unwrap();
         pool.give_back(big).unwrap();
         assert_eq!(
-            (pool.returning.bytes(), pool.cached_bytes(), sim.counts().host_pinned.0),
+            (
+                pool.returning.bytes(),
+                pool.cached_bytes(),
+                sim.counts().host_pinned.0
+            ),
             (0, 0, 0)
         );
     }

@@ -83,6 +83,23 @@ impl HostPins {
         self.allocated.iter().map(|(&p, &l)| (p, l))
     }
 
+    /// Whether [ptr, ptr+size) lies wholly inside one registration or allocation (pinned memory).
+    pub(super) fn pinned_covers(&self, ptr: usize, size: usize) -> bool {
+        containing(&self.registered, ptr)
+            .or_else(|| containing(&self.allocated, ptr))
+            .is_some_and(|(start, len)| ptr + size <= start + len)
+    }
+
+    /// The length of the registration that starts at `ptr`.
+    pub(super) fn registered_len(&self, ptr: usize) -> Option<usize> {
+        self.registered.get(&ptr).copied()
+    }
+
+    /// The length of the allocation that starts at `ptr`.
+    pub(super) fn allocated_len(&self, ptr: usize) -> Option<usize> {
+        self.allocated.get(&ptr).copied()
+    }
+
     /// As on CUDA, the host side of a copy that starts in pinned memory must stay inside that one registration
     /// or allocation (a copy spanning two fails with CUDA_ERROR_INVALID_VALUE); pageable memory is fine.
     pub(super) fn range_ok(&self, ptr: usize, size: usize) -> bool {
