@@ -64,8 +64,19 @@ def test_every_fraction_and_mode_has_its_cycles_verified(tmp_path, capsys):
     assert max(held["compressed"]) < min(held["raw"])
     first = {r["mode"]: r["compression_ratio"] for r in recs if r["fraction"] == 1.0 and r["cycle"] == 0}
     assert first["compressed"] < 0.9 and first["raw"] == 1.0
+    # The first fraction once more with the wake's verification off: the same cycles, still checked by the bench's
+    # checksums, its wakes verifying nothing where the default configuration's verify every restored byte.
+    off = [r for r in recs if r["mode"] == rl_loop.VERIFY_OFF]
+    assert [(r["fraction"], r["cycle"]) for r in off] == [(1.0, 0), (1.0, 1), (1.0, 2)]
+    assert all(r["verified"] and r["wake_verified_bytes"] == 0 for r in off[1:])
+    on = [r for r in recs if r["mode"] == "compressed" and r["fraction"] == 1.0 and r["cycle"] > 0]
+    assert all(r["wake_verified_bytes"] >= w for r in on)
+    assert m["configs"][rl_loop.VERIFY_OFF].endswith("verify off")
+    cost = m["verify_wake_cost"]
+    assert cost["fraction"] == 1.0 and cost["verified_s"] > 0 and cost["unverified_s"] > 0
     out = capsys.readouterr().out
     assert "steady state" in out and "every cycle" in out and rl_report.SIM_NOTE[:40] in out
+    assert "verification in the default configuration, 100% rewritten" in out
 
 
 def test_verify_fails_on_a_backup_corrupted_between_sleep_and_wake():

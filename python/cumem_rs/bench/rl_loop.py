@@ -6,7 +6,10 @@ Per fraction of the weights (--fractions, default 100,50,10,1 % of the 2 MiB chu
 tensor) and per mode, side by side in one run:
 - "compressed": the default configuration (compression as the environment has it: on where nvCOMP is found;
   retained backups on; no host budget; host tier), the weights' tag policy cleared;
-- "raw": the same with `compress="off"` for the weights tag.
+- "raw": the same with `compress="off"` for the weights tag;
+- "compressed, verify off": the first fraction once more, compressed, with the wake's own check of the restored
+  bytes against the sleep's fingerprints switched off (`set_verify_wakes(False)`; the bench's checksums still
+  run): the cost of verified wakes in the default configuration (`verify_wake_cost`).
 A block starts from no host memory (`trim_host`) with one sleep of the freshly written weights (cycle 0: the
 first sleep, apart), then --cycles cycles (default 5) of: the weights parked 1 s (GPU), wake (timed), verify
 every weight bit-identical (checksums on the device), rewrite the fraction with fresh `normal_() * 0.02` values,
@@ -41,6 +44,9 @@ GPU_CHUNK = 2 * MiB
 #: driver; an engine parked for a training step is asleep for seconds).
 PARK_S = 1.0
 MODES = ("compressed", "raw")
+#: One more block, of the first fraction, compressed with the wake's own verification off
+#: (`set_verify_wakes(False)`): what the verified wake costs in the default configuration, in the same run.
+VERIFY_OFF = rl_report.VERIFY_OFF
 #: The simulated device's scale without --scale: the smallest at which every tensor keeps a row (the embedding's
 #: 128256 / 4096): the table there checks behaviour, not speed, and 8 blocks of cycles stay quick.
 SIM_SCALE = 4096
@@ -95,9 +101,12 @@ def set_mode(alloc: Any, mode: str) -> None:
 
 
 def _record(rig: Rig, fraction: float, mode: str, cfg: str, cycle: int, report: Any, sleep_s: float,
-            wake_s: Optional[float], rewritten: int, wbytes: int, link_d2h_s: float, link_h2d_s: float) -> dict:
+            wake: Optional[tuple[Any, float]], rewritten: int, wbytes: int, link_d2h_s: float,
+            link_h2d_s: float) -> dict:
     held = host_held(rig.alloc)
     rep = report if isinstance(report, dict) else {}
+    wake_rep = wake[0] if wake is not None and isinstance(wake[0], dict) else {}
+    wake_s = None if wake is None else wake[1]
     stats = rig.alloc.stats()
     return dict(
         fraction=fraction, mode=mode, config=cfg, cycle=cycle, sleep_s=sleep_s, sleep_ratio=link_d2h_s / sleep_s,
@@ -105,7 +114,7 @@ def _record(rig: Rig, fraction: float, mode: str, cfg: str, cycle: int, report: 
         rewritten_bytes=rewritten, copied_bytes=int(rep.get("copied_bytes", 0)),
         skipped_bytes=int(rep.get("skipped_bytes", 0)), discarded_bytes=int(rep.get("discarded_bytes", 0)),
         compression_ratio=float(stats["compression_ratio"]), held_ratio=held["held"] / wbytes,
-        verified=wake_s is not None, **held)
+        verified=wake_s is not None, wake_verified_bytes=int(wake_rep.get("verified_bytes", 0)), **held)
 
 
 def block(rig: Rig, fraction: float, mode: str, n: int, rng: random.Random, wbytes: int,
@@ -121,12 +130,12 @@ def block(rig: Rig, fraction: float, mode: str, n: int, rng: random.Random, wbyt
     recs = [_record(rig, fraction, mode, cfg, 0, report, ts, None, wbytes, wbytes, link_d2h_s, link_h2d_s)]
     for cycle in range(1, n + 1):
         time.sleep(rig.park_s)
-        _, tw = timed(rig.wake, rig.sync)
+        wake = timed(rig.wake, rig.sync)
         rig.weights.verify()
         rewritten = rig.weights.rewrite(fraction, rng)
         rig.sync()
         report, ts = timed(rig.sleep, rig.sync)
-        recs.append(_record(rig, fraction, mode, cfg, cycle, report, ts, tw, rewritten, wbytes, link_d2h_s,
+        recs.append(_record(rig, fraction, mode, cfg, cycle, report, ts, wake, rewritten, wbytes, link_d2h_s,
                             link_h2d_s))
     time.sleep(rig.park_s)
     rig.wake()
@@ -149,6 +158,15 @@ def measure(rig: Rig, fractions: list[float], n: int, wbytes: int, h2d: float, d
                 got = block(rig, fraction, mode, n, rng, wbytes, h2d, d2h)
                 labels.setdefault(mode, got[0]["config"])
                 recs += got
+        if fractions and rig.alloc.verifies_wakes():
+            say(f"rl_loop: {fractions[0]:.0%} rewritten, {VERIFY_OFF}: {n} cycles")
+            rig.alloc.set_verify_wakes(False)
+            try:
+                got = block(rig, fractions[0], VERIFY_OFF, n, rng, wbytes, h2d, d2h)
+            finally:
+                rig.alloc.set_verify_wakes(True)
+            labels[VERIFY_OFF] = got[0]["config"]
+            recs += got
     finally:
         rig.alloc.set_tag_policy(WEIGHTS_TAG, backup=before.get("backup"),
                                  wake_fill=before.get("wake_fill", "undefined"),
@@ -174,6 +192,7 @@ def run(ctx: Context) -> None:
     else:
         recs, labels, codec = _sim(ctx, scale, specs, fractions, n, wbytes, h2d, d2h, m)
     m.update(records=recs, configs=labels, codec=codec)
+    m["verify_wake_cost"] = rl_report.verify_cost(m)
 
 
 def _gpu(ctx: Context, specs: list, fractions: list[float], n: int, wbytes: int, h2d: float, d2h: float,

@@ -57,6 +57,26 @@ def summary(m: dict) -> list[dict]:
     return out
 
 
+#: The mode of rl_loop's block with the wake's verification off (rl_loop.VERIFY_OFF).
+VERIFY_OFF = "compressed, verify off"
+
+
+def verify_cost(m: dict) -> Optional[dict]:
+    """What the wake's verification costs in the default configuration: the steady wakes of the first fraction,
+    compressed, against the same block with verification off in the same run (None without that block)."""
+    recs = m["records"]
+    off = [r["wake_s"] for r in recs if r["mode"] == VERIFY_OFF and r["cycle"] > 0]
+    if not off:
+        return None
+    fraction = next(r["fraction"] for r in recs if r["mode"] == VERIFY_OFF)
+    on = [r["wake_s"] for r in steady(recs, fraction, "compressed")]
+    if not on:
+        return None
+    on_s, off_s = statistics.median(on), statistics.median(off)
+    return dict(fraction=fraction, verified_s=on_s, unverified_s=off_s,
+                cost=(on_s - off_s) / on_s if on_s > 0 else 0.0)
+
+
 def _title(m: dict, what: str) -> str:
     return (f"rl_loop ({m['backend']}, scale 1/{m['scale']}, {m['tensors']} tensors, weights "
             f"{fmt_bytes(m['weights_bytes'])}, KV {fmt_bytes(m['kv_bytes'])} discarded at each sleep): {what}")
@@ -92,6 +112,12 @@ def show(m: dict) -> None:
     print_table(_title(m, "steady state, median (min-max) of the cycles after the first sleep"),
                 ["rewritten", "sleep x link, compressed", "sleep x link, raw", "wake x link, compressed",
                  "wake x link, raw", "host held x raw, compressed", "host held x raw, raw", "verified"], rows)
+    cost = m.get("verify_wake_cost") or verify_cost(m)
+    if cost:
+        target = " (target <= 5%)" if m.get("times_meaningful", True) else ""
+        print(f"  verification in the default configuration, {pct(cost['fraction'])} rewritten, steady wake "
+              f"median: verified {fmt_seconds(cost['verified_s'])}, verification off "
+              f"{fmt_seconds(cost['unverified_s'])}: {100 * cost['cost']:+.1f}%{target}")
     cells: list[list[str]] = []
     for rec in m["records"]:
         cells.append([
