@@ -62,11 +62,11 @@ if TYPE_CHECKING:
     Backend = Union[CuMemAllocator, SimulatedPools]
 
 HookMode = Literal["preload", "torch"]
-
-logger = logging.getLogger("cumem_rs")
 CpuBackupBackend = Literal["mmap", "pinned"]
 
 _TAG_DEFAULT = "default"
+
+logger = logging.getLogger("cumem_rs")
 _HOOK_MODES = ("preload", "torch")
 #: A tag's backup, one per tag: none (undefined after resume), host memory, or files in the spill directory.
 _NONE, _CPU, _DISK = "none", "cpu", "disk"
@@ -110,7 +110,6 @@ def configure_subprocess() -> contextlib.AbstractContextManager[None]:
     return _preload.configure_subprocess()
 
 
-
 def _holds_asleep_memory(alloc: "Backend", pool_id: tuple[int, int], what: str) -> bool:
     """`pool_holds_asleep_memory`, True when it cannot tell (a fresh pool or a refusal is safe; a pool handing out
     unmapped memory is not)."""
@@ -136,6 +135,7 @@ def _refuse_asleep_pool(alloc: "Backend", pool_id: tuple[int, int], tag: str) ->
             "capture into it would be handed unmapped (its first use would end the CUDA context); resume that "
             "tag before capturing into this pool"
         )
+
 
 class TorchMemorySaver:
     """The API of torch_memory_saver 0.0.10 over `CuMemAllocator`. Use the module's `torch_memory_saver`."""
@@ -356,7 +356,7 @@ class TorchMemorySaver:
             with self._lock:
                 pool = self._region_pools.get(key)
                 if pool is not None and _holds_asleep_memory(alloc, pool.id, "a region's pool"):
-                    pool_activity.retire([self._region_pools.pop(key)])
+                    pool_activity.retire([pool])  # replaced below (the key stays: atexit is registered once)
                     pool = None
                 if pool is None:
                     if not self._region_pools:
