@@ -528,8 +528,7 @@ class _StatusAs:
 class Spilling:
     """Mixin for the allocator's state machines: a host budget of one granule and a spill directory, so that most
     backups go to files (and single-granule ones to host memory) and every sleep, wake, pause, resume, free and
-    discard runs
-    through the file tier with the model's promises unchanged. File backups are retained like host ones (a sleep
+    discard runs through the file tier with the model's promises unchanged. File backups are retained like host ones (a sleep
     rewrites only their changed chunks), so the model's exact count of retained backups and skipped chunks holds
     as on the host tier (`exact_skips` is the base machine's: off under fault injection).
 
