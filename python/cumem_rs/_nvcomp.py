@@ -12,6 +12,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from . import _env
+
 # (CUDA major, prefix of the wheel's .dist-info directory), newest first.
 WHEELS = ((13, "nvidia_libnvcomp_cu13-"), (12, "nvidia_libnvcomp_cu12-"))
 # Where both wheels put the library, inside the `nvidia` namespace package.
@@ -70,8 +72,8 @@ def status_lines() -> list[str]:
             lines.append(f"  device {d}: staging ring {ring / (1 << 20):.0f} MiB" if ring else
                          f"  device {d}: no staging ring (not used yet, or its memory could not be had)")
     wheels = wheel_libraries()
-    if os.environ.get("CUMEM_RS_NVCOMP_LIB"):
-        lines.append(f"  CUMEM_RS_NVCOMP_LIB={os.environ['CUMEM_RS_NVCOMP_LIB']}")
+    if _env.text(_env.NVCOMP_LIB):
+        lines.append(f"  {_env.NVCOMP_LIB}={_env.text(_env.NVCOMP_LIB)}")
     for major, path in wheels:
         lines.append(f"  installed: nvidia-libnvcomp-cu{major} ({path})")
     if not wheels and not active:

@@ -36,7 +36,7 @@ from typing import Optional, Union
 
 import torch
 
-from . import _native
+from . import _env, _native
 from ._native import Allocator, ClosedError, CumemError, CumemTypeError, CumemValueError
 from ._pools import (
     LIB_NAME,
@@ -149,10 +149,10 @@ class CuMemAllocator:
         self._records = AllocationRecords(self._native)
         self._closed = False
         self._sleep_gc = _DEFAULT_SLEEP_GC
-        self.sleep_gc = os.environ.get("CUMEM_RS_SLEEP_GC", _DEFAULT_SLEEP_GC)
+        self.sleep_gc = _env.text(_env.SLEEP_GC, _DEFAULT_SLEEP_GC)
         #: Pin host memory for the backup of `pin_ahead_tags` in the background when one of their
         #: `use_memory_pool` blocks ends (default on; the switch CUMEM_RS_PIN_AHEAD=0 or off turns it off).
-        self.pin_ahead: bool = _native.env_flag("CUMEM_RS_PIN_AHEAD", True)
+        self.pin_ahead: bool = _env.flag(_env.PIN_AHEAD, True)
         self.pin_ahead_tags: tuple[str, ...] = PIN_AHEAD_TAGS
         # A process forked from this one (a DataLoader worker, a fork pool) inherits the exit handler but none of
         # the CUDA state: there it does nothing.

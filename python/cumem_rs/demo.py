@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import ctypes
 import hashlib
-import os
 import random
 import statistics
 import sys
@@ -30,6 +29,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from . import _env
 from .bench.common import fmt_bytes, fmt_seconds, timed
 from .workload import (
     KV_TAG,
@@ -331,7 +331,7 @@ def demo_cuda(args: argparse.Namespace) -> int:
     if cumem.codec:
         print(f"codec: {cumem.codec}: backups compressed on the GPU")
     else:
-        why_raw = ("CUMEM_RS_COMPRESS=0" if os.environ.get("CUMEM_RS_COMPRESS") == "0"
+        why_raw = (f"{_env.COMPRESS}={_env.text(_env.COMPRESS)}" if not _env.flag(_env.COMPRESS, True)
                    else _native.cuda_codec_status()[1])
         print(f"codec: none ({why_raw}): backups raw; `pip install {nvcomp_extra()}` adds nvCOMP")
     print(f"the link: torch copy_ of the same {fmt_bytes(wbytes)}, pinned host <-> GPU: {h2d:.1f} GB/s to the "

@@ -31,17 +31,18 @@ import functools
 import importlib.abc
 import importlib.util
 import logging
-import os
 import sys
 import threading
 from collections.abc import Callable
 from types import ModuleType
 from typing import Any, Optional
 
+from . import _env
+
 logger = logging.getLogger("cumem_rs")
 
 BACKEND_NAME = "cumem_rs"
-ENV_VAR = "CUMEM_RS_VLLM"
+ENV_VAR = _env.VLLM
 
 _REGISTRY_MODULE = "vllm.device_allocator.sleep_mode_backend"
 _CUMEM_MODULE = "vllm.device_allocator.cumem"
@@ -61,17 +62,7 @@ _worker_choice: Optional[bool] = None
 
 
 def _env_choice() -> Optional[bool]:
-    raw = os.environ.get(ENV_VAR, "")
-    value = raw.strip().lower()
-    if not value:
-        return None
-    if value in ("1", "true", "yes", "on"):
-        return True
-    if value in ("0", "false", "no", "off"):
-        return False
-    raise ValueError(
-        f"{ENV_VAR}={raw!r}: expected 1 (route vLLM's sleep-mode allocator to cumem_rs) or 0 (never route it)"
-    )
+    return _env.choice(ENV_VAR, "1 (route vLLM's sleep-mode allocator to cumem_rs) or 0 (never route it)")
 
 
 def config_choice(vllm_config: Any) -> Optional[bool]:
@@ -91,7 +82,7 @@ def _current_vllm_config() -> Any:
 def _choice() -> tuple[bool, str]:
     forced = _env_choice()
     if forced is not None:
-        return forced, f"{ENV_VAR}={os.environ[ENV_VAR]}"
+        return forced, f"{ENV_VAR}={_env.text(ENV_VAR)}"
     current = config_choice(_current_vllm_config())
     if current is not None:
         return current, "vLLM's current config"

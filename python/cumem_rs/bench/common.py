@@ -7,7 +7,7 @@ import argparse
 import time
 from typing import Any, Callable, Optional
 
-from .. import _native
+from .. import _env
 
 # ---------------------------------------------------------------------------------------------------------------
 # Formatting, shared with the demo.
@@ -183,7 +183,7 @@ def report_seconds(report: Any) -> Optional[float]:
 def retain_default() -> bool:
     """The retained-backup policy an allocator starts with (the switch CUMEM_RS_RETAIN_BACKUPS, read as the
     engine reads it)."""
-    return _native.env_flag("CUMEM_RS_RETAIN_BACKUPS", True)
+    return _env.flag(_env.RETAIN_BACKUPS, True)
 
 
 # ---------------------------------------------------------------------------------------------------------------
