@@ -219,18 +219,12 @@ class Allocator:
         """Back up awake allocations of `offload_tags` to host memory, then release the physical memory of all
         awake allocations. None: each tag is backed up per its policy (`set_tag_policy`), and a tag without a
         backup policy only if it is "default" (so None means ("default",) while no policy is set). Returns a
-        `Report`: {"allocations": n, "copied_bytes": bytes copied to host, "skipped_bytes": bytes of retained
-        backups not copied because their chunks did not change since the wake, "chunks_checked": chunks whose
-        fingerprints were compared, "fingerprint_seconds": s, "discarded_bytes": bytes released without backup,
-        "zeroed_bytes": 0, "seconds": s, "gb_per_s": copied_bytes / seconds / 1e9}. Bytes backed up =
-        copied_bytes + skipped_bytes. Sizes are the allocations' rounded (mapped) sizes."""
+        `Report` (`cumem_rs.results.Report` says what each key means)."""
     def wake_up(self, tags: Optional[Union[str, Sequence[str]]] = None) -> Report:
         """Map new physical memory at the same addresses for asleep allocations of `tags` (None = all) and copy
         backups back. Transactional: on failure nothing is woken and the backups are kept. Every restored chunk is
         compared with the fingerprint its sleep took (any tier; CUMEM_RS_VERIFY_WAKE=0 turns it off): a mismatch
-        fails the wake like a failed copy. Returns a `Report` like sleep's: copied_bytes restored, discarded_bytes
-        woken without contents, zeroed_bytes of those filled with zeros per their tag's wake_fill policy,
-        verified_bytes of those restored that were verified."""
+        fails the wake like a failed copy. Returns a `Report` (`cumem_rs.results.Report`)."""
     def discard(self, tags: Union[str, Sequence[str]]) -> Report:
         """Release awake allocations of `tags` without backup (contents undefined after wake)."""
     def read(self, address: int, size: int) -> bytes:
@@ -238,8 +232,8 @@ class Allocator:
     def write(self, address: int, data: bytes) -> None:
         """Copy `data` to `address` (inside one awake allocation)."""
     def info(self) -> Info:
-        """{"backend", "devices": [{"device", "name", "free", "total", "granularity", "rdma_with_vmm"}],
-        "codec" (what sleeps compress with, None: raw), "driver_version" (CUDA only)}."""
+        """The backend, its devices, the codec sleeps compress with and the driver's version
+        (`cumem_rs.results.Info`)."""
     @property
     def closed(self) -> bool: ...
     def usage(self, device: Optional[int] = None) -> int:
@@ -304,7 +298,7 @@ class Allocator:
         thread that the next sleep stops and takes over (it pins only what is still unpinned). CumemOutOfMemoryError
         when the host cannot give that much (a background worker stops at the limit and records a warning)."""
     def pin_ahead_status(self) -> PinAheadStatus:
-        """The background pinning worker: {"running": bool, "pinned": bytes so far, "nbytes": its target}."""
+        """The background pinning worker: running, pinned so far, its target (`cumem_rs.results.PinAheadStatus`)."""
     def backup_bytes_of(self, tags: Union[str, Sequence[str]]) -> int:
         """Bytes of host arena a sleep offloading `tags` would need now: their awake allocations, less tags whose
         policy is not to back up and allocations with a retained backup (what to pin ahead for them)."""
@@ -369,9 +363,10 @@ class Allocator:
         backups go: "host" (pinned host memory, refused past the host budget), "file" (the spill directory;
         refused without one) or "auto" (host memory up to the budget, files for the rest). `compress`: whether
         its host backups are compressed where the driver has a codec: "auto" (the 16-bit mode, for bf16/fp16),
-        "off", "bits16", "bits8" (fp8) or "bytes" (any data); file backups are never compressed."""
+        "off", "bits16", "bits8" (fp8) or "bytes" (any data); file backups of such a tag are compressed too (their
+        blobs in the spill file)."""
     def tag_policy(self, tag: str) -> TagPolicy:
-        """{"backup": bool | None, "wake_fill": "undefined" | "zero", "backup_tier": ...} of `tag`."""
+        """The policy of `tag` as set (`cumem_rs.results.TagPolicy`)."""
     def pause(self, tags: Optional[Union[str, Sequence[str]]] = None) -> Report:
         """Release the awake allocations of `tags` (None: every tag), backed up per their policy (unset: backed
         up). Other tags keep their memory; only the devices holding paused allocations are synchronized.
@@ -380,10 +375,8 @@ class Allocator:
         """Wake the asleep allocations of `tags` (None: every tag), all or nothing, like wake_up; resuming an
         awake tag is a no-op."""
     def status(self) -> Status:
-        """{"is_sleeping": bool, "tags": {tag: {"allocations", "mapped_bytes", "asleep_bytes", "backup_bytes"
-        (backups of asleep allocations plus retained ones), "retained_bytes" (retained backups of awake
-        allocations), "backup", "wake_fill", "state": "awake" | "asleep" | "mixed"}}}, for every tag with an
-        allocation or a policy (a tag without allocations is "awake")."""
+        """Whether anything sleeps, and per tag with an allocation or a policy its bytes, policy and state (a tag
+        without allocations is "awake"): `cumem_rs.results.Status`."""
     def read_backup(self, address: int, size: int) -> Optional[bytes]:
         """The backed-up bytes [address, address+size) of an asleep allocation; None while it is awake. Raises
         CumemError for an asleep allocation without backup, ValueError outside every allocation."""

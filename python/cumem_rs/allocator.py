@@ -428,7 +428,8 @@ class CuMemAllocator:
         `backup_tier`: "host", "file" (the spill directory, `set_spill_dir`) or "auto" (host memory up to the
         host budget, files for the rest). `compress`: whether its host backups are compressed where a codec is
         active (`codec`): "auto" (the 16-bit mode, best for bf16/fp16 weights), "off", "bits16", "bits8" (fp8)
-        or "bytes" (any data); what does not shrink is stored raw, and file backups are never compressed.
+        or "bytes" (any data); what does not shrink is stored raw, and the file backups of such a tag are compressed
+        too (their blobs in the spill file).
         """
         tag = check_tag(tag)
         if backup is not None and not isinstance(backup, bool):
