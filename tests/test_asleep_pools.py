@@ -51,3 +51,28 @@ def test_no_segments_or_nothing_asleep_is_no_hit(sim):
     p = _alloc(sim, "kv", GRAN)
     assert segments_in_asleep_memory(sim, []) == []
     assert segments_in_asleep_memory(sim, [{"address": p}]) == []
+
+
+def test_a_pool_is_looked_up_in_torchs_snapshot_only_while_something_sleeps(sim, monkeypatch):
+    """`pool_holds_asleep_memory` runs before every capture into a shared graph pool (vLLM: one per graph); torch's
+    snapshot of the whole allocator is taken only when an allocation sleeps. Here the snapshot is a stand-in
+    (no GPU): one segment of pool (5, 0) at the start of a real allocation."""
+    torch = pytest.importorskip("torch")
+    from cumem_rs._pools import pool_holds_asleep_memory
+
+    p = _alloc(sim, "kv", 2 * GRAN)
+    snapshots = []
+
+    def snapshot(include_traces=True):
+        snapshots.append(include_traces)
+        return [{"address": p, "segment_pool_id": (5, 0), "total_size": 2 * GRAN}]
+
+    monkeypatch.setattr(torch.cuda, "memory_snapshot", snapshot)
+    assert not pool_holds_asleep_memory(sim, (5, 0))
+    assert snapshots == [], "nothing sleeps: no snapshot"
+    sim.sleep([])
+    assert pool_holds_asleep_memory(sim, [5, 0]), "a token given as a list names the same pool"
+    assert not pool_holds_asleep_memory(sim, (6, 0)), "another pool's segments are not this one's"
+    assert len(snapshots) == 2
+    sim.wake_up(None)
+    assert not pool_holds_asleep_memory(sim, (5, 0)) and len(snapshots) == 2

@@ -208,18 +208,28 @@ def asleep_segments(segments: Iterable[dict], asleep: list[tuple[int, int]]) -> 
     return hits
 
 
+def _asleep_ranges(native: Allocator) -> list[tuple[int, int]]:
+    """(address, size) of the allocations of `native` now asleep, sorted by address."""
+    return sorted((int(a["address"]), int(a["size"])) for a in native.allocations() if a["asleep"])
+
+
 def segments_in_asleep_memory(native: Allocator, segments: list[dict]) -> list[int]:
     """The addresses of `segments` (torch's snapshot entries) that lie in allocations of `native` now asleep."""
     if not segments:
         return []
-    asleep = sorted((int(a["address"]), int(a["size"])) for a in native.allocations() if a["asleep"])
+    asleep = _asleep_ranges(native)
     return asleep_segments(segments, asleep) if asleep else []
 
 
 def pool_holds_asleep_memory(native: Allocator, pool_id: tuple[int, int]) -> bool:
-    """Whether torch's private pool `pool_id` has a segment in memory of ours that is asleep (see the module doc)."""
+    """Whether torch's private pool `pool_id` has a segment in memory of ours that is asleep (see the module doc).
+    torch's snapshot (every block of every pool, under the allocator's lock) is taken only when something sleeps:
+    vLLM asks before each of its captures, thousands at start-up with piecewise graphs, when nothing does."""
+    asleep = _asleep_ranges(native)
+    if not asleep:
+        return False
     pool_id = (int(pool_id[0]), int(pool_id[1]))
-    return bool(segments_in_asleep_memory(native, _segments({pool_id})[pool_id]))
+    return bool(asleep_segments(_segments({pool_id})[pool_id], asleep))
 
 
 class EnteredPools:

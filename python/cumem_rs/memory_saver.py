@@ -352,7 +352,7 @@ class TorchMemorySaver:
         """Route this thread's torch allocations to the region's own pool of torch's caching allocator. A pool
         holding paused memory is replaced by a fresh one (`_pools`: torch would hand out its cached blocks,
         unmapped); the old one is dropped once no block routes, its live tensors keeping their memory."""
-        with pool_block():  # no pool is dropped while this block routes
+        with pool_block() as held:  # no pool is dropped while this block routes
             with self._lock:
                 pool = self._region_pools.get(key)
                 if pool is not None and _holds_asleep_memory(alloc, pool.id, "a region's pool"):
@@ -362,7 +362,12 @@ class TorchMemorySaver:
                     if not self._region_pools:
                         atexit.register(self._release_region_pools)
                     pool = self._region_pools[key] = torch.cuda.MemPool()
-            with torch.cuda.use_mem_pool(pool):
+            # The block's reference goes to `held`, dropped when the block ends: kept in this frame, it would be
+            # the last one of a pool another block replaced meanwhile, destroyed after `pool_block` ended, with
+            # nothing stopping another thread from routing allocations then (torch aborts).
+            held.append(pool)
+            del pool
+            with torch.cuda.use_mem_pool(held[0]):
                 yield
 
     def _release_region_pools(self) -> None:
@@ -413,7 +418,9 @@ class TorchMemorySaver:
             if key is not None:
                 _refuse_asleep_pool(alloc, key, tag)
             given: Any = key
-            with torch.cuda.graph(cuda_graph, pool=given, stream=stream, capture_error_mode=mode):
+            # A pool block, though no pool of ours routes here: torch aborts when a pool is destroyed while a
+            # capture is under way, and a region pool replaced meanwhile (`_region_pool`) waits for it to end.
+            with pool_block(), torch.cuda.graph(cuda_graph, pool=given, stream=stream, capture_error_mode=mode):
                 with _preload.routed(tag):
                     yield
             return
