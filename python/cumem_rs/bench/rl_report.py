@@ -117,7 +117,8 @@ def show(m: dict) -> None:
         target = " (target <= 5%)" if m.get("times_meaningful", True) else ""
         print(f"  verification in the default configuration, {pct(cost['fraction'])} rewritten, steady wake "
               f"median: verified {fmt_seconds(cost['verified_s'])}, verification off "
-              f"{fmt_seconds(cost['unverified_s'])}: {100 * cost['cost']:+.1f}%{target}")
+              f"{fmt_seconds(cost['unverified_s'])}: verification is {100 * cost['cost']:+.1f}% of the verified "
+              f"wake's time{target}")
     cells: list[list[str]] = []
     for rec in m["records"]:
         cells.append([

@@ -102,7 +102,8 @@ def verify_cost_rows(res: Results, core: Any, cycle: Callable[[], tuple[float, f
         on = statistics.median(verified)
         cost = (on - off) / on if on > 0 else 0.0
         res.metrics["verify_wake_cost"] = cost
-        note += f"; the verified steady wake takes {100 * cost:+.1f}% more" + (" (target <= 5%)" if gpu else "")
+        note += (f"; verification is {100 * cost:+.1f}% of the verified steady wake's time"
+                 + (" (target <= 5%)" if gpu else ""))
     res.bandwidth("wake_unverified", f"wake, steady, verification off (median of {len(wakes)})", wbytes, off, h2d,
                   note)
     res.configure(config_before)
