@@ -171,8 +171,9 @@ impl HostPool {
     /// `trim`): a caller about to pin a new buffer because none cached serves it drops those that serve nothing
     /// else, so the new one is never held beside them.
     pub fn trim_unless(&mut self, keep: impl Fn(&HostBuffer) -> bool) -> Result<usize> {
-        let (kept, drop): (Vec<HostBuffer>, Vec<HostBuffer>) =
-            std::mem::take(&mut self.cached).into_iter().partition(|b| keep(b));
+        let (kept, drop): (Vec<HostBuffer>, Vec<HostBuffer>) = std::mem::take(&mut self.cached)
+            .into_iter()
+            .partition(|b| keep(b));
         self.cached = kept;
         let mut freed = 0;
         let mut first_err = None;
