@@ -78,6 +78,26 @@ impl Work {
         }
     }
 
+    /// The host range of a copy whose host side lay in pinned memory when it was queued: it must still be pinned
+    /// when the copy runs.
+    fn pinned_host_range(&self) -> Option<(usize, usize)> {
+        match self {
+            Work::D2H {
+                dst,
+                size,
+                pinned: true,
+                ..
+            } => Some((*dst, *size)),
+            Work::H2D {
+                src,
+                size,
+                pinned: true,
+                ..
+            } => Some((*src, *size)),
+            _ => None,
+        }
+    }
+
     fn describe(&self) -> String {
         match self {
             Work::D2H { dst, src, size, .. } => {
@@ -185,30 +205,19 @@ impl State {
                 return Err(format!("device [{addr:#x}, +{len:#x}) was unmapped"));
             }
         }
+        if let Some((host, len)) = work.pinned_host_range() {
+            if !self.host.pinned_covers(host, len) {
+                return Err(format!("host [{host:#x}, +{len:#x}) was unpinned or freed"));
+            }
+        }
         match *work {
-            Work::D2H {
-                dst,
-                src,
-                size,
-                pinned,
-            } => {
-                if pinned && !self.host.pinned_covers(dst, size) {
-                    return Err(format!("host [{dst:#x}, +{size:#x}) was unpinned or freed"));
-                }
+            Work::D2H { dst, src, size, .. } => {
                 // SAFETY: the source is mapped read-write (checked above under the state lock, which unmap also
                 // takes); the destination is valid for `size` bytes of writes until the stream passed this copy
                 // (the contract of `copy_d2h`, the unsafe fn that queued it).
                 unsafe { std::ptr::copy_nonoverlapping(src as *const u8, dst as *mut u8, size) };
             }
-            Work::H2D {
-                dst,
-                src,
-                size,
-                pinned,
-            } => {
-                if pinned && !self.host.pinned_covers(src, size) {
-                    return Err(format!("host [{src:#x}, +{size:#x}) was unpinned or freed"));
-                }
+            Work::H2D { dst, src, size, .. } => {
                 // SAFETY: as for D2H, with the roles swapped (`copy_h2d`'s contract).
                 unsafe { std::ptr::copy_nonoverlapping(src as *const u8, dst as *mut u8, size) };
             }
