@@ -64,7 +64,8 @@ def fake(monkeypatch) -> _Torch:
     monkeypatch.setattr(torch.cuda, "MemPool", t.MemPool)
     monkeypatch.setattr(torch.cuda, "use_mem_pool", t.use_mem_pool)
     monkeypatch.setattr(torch.cuda, "graph", t.graph)
-    monkeypatch.setattr(memory_saver, "_holds_asleep_memory", lambda alloc, pool_id, what: pool_id[0] in t.asleep)
+    monkeypatch.setattr(memory_saver, "pool_holds_asleep_memory_or",
+                        lambda native, pool_id, unknown, what: pool_id[0] in t.asleep)
     return t
 
 

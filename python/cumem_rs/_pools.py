@@ -20,6 +20,7 @@ from __future__ import annotations
 import bisect
 import contextlib
 import ctypes
+import logging
 import os
 import re
 import threading
@@ -30,7 +31,9 @@ from typing import Optional
 import torch
 
 from . import _native
-from ._native import Allocator, CumemTypeError, CumemValueError
+from ._native import Allocator, CumemError, CumemTypeError, CumemValueError
+
+logger = logging.getLogger("cumem_rs")
 
 # --- argument checks ---------------------------------------------------------------------------------------------
 
@@ -230,6 +233,25 @@ def pool_holds_asleep_memory(native: Allocator, pool_id: tuple[int, int]) -> boo
         return False
     pool_id = (int(pool_id[0]), int(pool_id[1]))
     return bool(asleep_segments(_segments({pool_id})[pool_id], asleep))
+
+
+def pool_holds_asleep_memory_or(native: Allocator, pool_id: tuple[int, int], unknown: bool, what: str) -> bool:
+    """`pool_holds_asleep_memory`, or `unknown` (logged, naming `what`) when it cannot tell (torch's snapshot
+    format changed, say): each caller picks the answer that is safe for it."""
+    try:
+        return pool_holds_asleep_memory(native, pool_id)
+    except Exception as e:
+        logger.warning("cumem_rs: could not tell whether %s holds memory asleep (%s): taken as %s", what, e,
+                       "it does" if unknown else "it does not")
+        return unknown
+
+
+def refuse_capture_into_asleep_pool(native: Allocator, pool_id: tuple[int, int], what: str, message: str) -> None:
+    """Raise CumemError(`message`) when the shared graph pool `pool_id` holds memory asleep: torch would hand a
+    capture its cached blocks there, unmapped, and their first use would end the CUDA context. When it cannot
+    tell, the capture goes on as before (logged): refusing every capture would break it for good."""
+    if pool_holds_asleep_memory_or(native, pool_id, False, what):
+        raise CumemError(message)
 
 
 class EnteredPools:

@@ -46,7 +46,7 @@ from ._pools import (
     pluggable,
     pool_activity,
     pool_block,
-    pool_holds_asleep_memory,
+    refuse_capture_into_asleep_pool,
     tag_tuple,
 )
 from ._records import AllocationRecords
@@ -274,22 +274,14 @@ class CuMemAllocator:
         pool_id = pool.id
         del pool
         if not fresh:
-            self._refuse_asleep_graph_pool(tag, pool_id)
-        with pool_block(self._native, tag):
-            yield pool_id
-
-    def _refuse_asleep_graph_pool(self, tag: str, pool_id: tuple[int, int]) -> None:
-        try:
-            holds = pool_holds_asleep_memory(self._native, pool_id)
-        except Exception as e:  # cannot tell: the block goes on as before, and says so
-            logger.warning("cumem_rs: could not tell whether the graph pool of %r holds memory asleep: %s", tag, e)
-            return
-        if holds:
-            raise CumemError(
+            refuse_capture_into_asleep_pool(
+                self._native, pool_id, f"the graph pool of {tag!r}",
                 f"cudagraph_pool({tag!r}): its pool holds memory that sleeps, which a capture would be handed "
                 f"unmapped (its first use would end the CUDA context); wake {tag!r} first (wake_up() or "
-                f"wake_up(tags=[{tag!r}]))"
+                f"wake_up(tags=[{tag!r}]))",
             )
+        with pool_block(self._native, tag):
+            yield pool_id
 
     #: The name newer vLLM uses for `cudagraph_pool`.
     use_cudagraph_pool = cudagraph_pool

@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import logging
 import os
 import tempfile
 import threading
@@ -50,7 +49,14 @@ import torch
 
 from . import _native, _preload
 from ._native import CumemError, CumemOutOfMemoryError, CumemTypeError, CumemValueError, HostBytes
-from ._pools import check_tag, new_pool, pool_activity, pool_block, pool_holds_asleep_memory
+from ._pools import (
+    check_tag,
+    new_pool,
+    pool_activity,
+    pool_block,
+    pool_holds_asleep_memory_or,
+    refuse_capture_into_asleep_pool,
+)
 from ._tms_backup import copy_of, tensor_of_bytes, tensor_over
 from ._tms_env import CPU_BACKUP_BACKENDS, TmsEnv, read_tms_env
 from ._tms_state import DEFAULT_TAG, CState, Impl, RegionState, ThreadStates
@@ -65,8 +71,6 @@ HookMode = Literal["preload", "torch"]
 CpuBackupBackend = Literal["mmap", "pinned"]
 
 _TAG_DEFAULT = "default"
-
-logger = logging.getLogger("cumem_rs")
 _HOOK_MODES = ("preload", "torch")
 #: A tag's backup, one per tag: none (undefined after resume), host memory, or files in the spill directory.
 _NONE, _CPU, _DISK = "none", "cpu", "disk"
@@ -108,33 +112,6 @@ def configure_subprocess() -> contextlib.AbstractContextManager[None]:
     torch_memory_saver does; the previous value is restored at exit), so that hook_mode="preload" and
     TMS_INIT_ENABLE=1 work there."""
     return _preload.configure_subprocess()
-
-
-def _holds_asleep_memory(alloc: "Backend", pool_id: tuple[int, int], what: str) -> bool:
-    """`pool_holds_asleep_memory`, True when it cannot tell (a fresh pool or a refusal is safe; a pool handing out
-    unmapped memory is not)."""
-    try:
-        return pool_holds_asleep_memory(alloc.native, pool_id)
-    except Exception as e:  # torch's snapshot format changed, say: fail safe
-        logger.warning("cumem_rs: could not tell whether %s holds paused memory (%s): treating it as if it does",
-                       what, e)
-        return True
-
-
-def _refuse_asleep_pool(alloc: "Backend", pool_id: tuple[int, int], tag: str) -> None:
-    """Refuse a capture into a shared graph pool that holds paused memory: torch would hand the capture its cached
-    blocks there, unmapped, and the first replay (or the capture itself) would end the CUDA context."""
-    try:
-        holds = pool_holds_asleep_memory(alloc.native, pool_id)
-    except Exception as e:  # cannot tell: let the capture go on as before, and say so
-        logger.warning("cumem_rs: could not tell whether graph pool %s holds paused memory: %s", pool_id, e)
-        return
-    if holds:
-        raise CumemError(
-            f"cuda_graph (tag {tag!r}): the graph pool {tuple(pool_id)} holds memory of a paused tag, which a "
-            "capture into it would be handed unmapped (its first use would end the CUDA context); resume that "
-            "tag before capturing into this pool"
-        )
 
 
 class TorchMemorySaver:
@@ -343,19 +320,20 @@ class TorchMemorySaver:
             return
         with contextlib.ExitStack() as stack:
             if self._backend is None:  # torch's tensors (a simulated backend has none)
-                stack.enter_context(self._region_pool(alloc, (inner, backup, torch.cuda.current_device())))
+                stack.enter_context(self._region_pool(alloc.native, (inner, backup, torch.cuda.current_device())))
             stack.enter_context(_preload.routed(inner))
             yield
 
     @contextlib.contextmanager
-    def _region_pool(self, alloc: "Backend", key: tuple[str, str, int]) -> Iterator[None]:
+    def _region_pool(self, native: _native.Allocator, key: tuple[str, str, int]) -> Iterator[None]:
         """Route this thread's torch allocations to the region's own pool of torch's caching allocator. A pool
         holding paused memory is replaced by a fresh one (`_pools`: torch would hand out its cached blocks,
         unmapped); the old one is dropped once no block routes, its live tensors keeping their memory."""
         with pool_block() as held:  # no pool is dropped while this block routes
             with self._lock:
                 pool = self._region_pools.get(key)
-                if pool is not None and _holds_asleep_memory(alloc, pool.id, "a region's pool"):
+                # When it cannot tell: as if it did (a fresh pool is safe; one handing out unmapped memory is not).
+                if pool is not None and pool_holds_asleep_memory_or(native, pool.id, True, "a region's pool"):
                     pool_activity.retire([pool])  # replaced below (the key stays: atexit is registered once)
                     pool = None
                 if pool is None:
@@ -416,7 +394,7 @@ class TorchMemorySaver:
         if self._preload:
             # The graph's pool is torch's own (the token as given); its cudaMalloc calls are routed under `tag`.
             if key is not None:
-                _refuse_asleep_pool(alloc, key, tag)
+                self._refuse_asleep_graph_pool(alloc, key, tag)
             given: Any = key
             # A pool block, though no pool of ours routes here: torch aborts when a pool is destroyed while a
             # capture is under way, and a region pool replaced meanwhile (`_region_pool`) waits for it to end.
@@ -429,9 +407,18 @@ class TorchMemorySaver:
             # torch types these more narrowly than it accepts them (and checks them itself).
             token: Any = self._graph_pool_id(key, fresh)
             if key is not None:
-                _refuse_asleep_pool(alloc, token, tag)
+                self._refuse_asleep_graph_pool(alloc, token, tag)
             with torch.cuda.graph(cuda_graph, pool=token, stream=stream, capture_error_mode=mode):
                 yield
+
+    @staticmethod
+    def _refuse_asleep_graph_pool(alloc: "Backend", pool_id: tuple[int, int], tag: str) -> None:
+        refuse_capture_into_asleep_pool(
+            alloc.native, pool_id, f"graph pool {tuple(pool_id)}",
+            f"cuda_graph (tag {tag!r}): the graph pool {tuple(pool_id)} holds memory of a paused tag, which a "
+            "capture into it would be handed unmapped (its first use would end the CUDA context); resume that "
+            "tag before capturing into this pool",
+        )
 
     def _graph_pool_id(self, key: Optional[tuple[int, int]], fresh: list) -> tuple[int, int]:
         with self._lock:
