@@ -33,6 +33,10 @@ def file_module(src: pathlib.Path, path: pathlib.Path) -> Module:
     return parts[:-1] if parts[-1] == "mod" else parts
 
 
+_RAW_STRING = re.compile(r'r(#*)"')
+_CHAR_LITERAL = re.compile(r"'(\\u\{[0-9a-fA-F]+\}|\\x[0-9a-fA-F]{2}|\\.|[^\\'])'")
+
+
 def strip_comments(text: str) -> str:
     """The text without `//` and `/* */` comments and with string and char literals emptied (a `"//"` or a brace
     inside a string must not count), line structure kept."""
@@ -54,8 +58,8 @@ def strip_comments(text: str) -> str:
                     j += 1
             out.append("\n" * text.count("\n", i, j))
             i = j
-        elif c == "r" and re.match(r'r#*"', text[i:i + 10]) and not re.match(r"[A-Za-z0-9_]", text[i - 1:i] or " "):
-            hashes = re.match(r'r(#*)"', text[i:]).group(1)  # type: ignore[union-attr]
+        elif c == "r" and (m := _RAW_STRING.match(text, i)) and not (i and re.match(r"\w", text[i - 1])):
+            hashes = m[1]
             end = text.find('"' + hashes, i + 2 + len(hashes))
             end = n if end < 0 else end + 1 + len(hashes)
             out.append('""' + "\n" * text.count("\n", i, end))
@@ -66,15 +70,10 @@ def strip_comments(text: str) -> str:
                 j += 2 if text[j] == "\\" else 1
             out.append('""' + "\n" * text.count("\n", i, j))
             i = j + 1
-        elif c == "'" and re.match(r"'(\\.|[^\\'])'", text[i:i + 4]) or c == "'" and text.startswith("'\\", i):
+        elif c == "'" and (m := _CHAR_LITERAL.match(text, i)):
             # A char literal ('{', '\''), not a lifetime ('a).
-            m = re.match(r"'(\\u\{[0-9a-fA-F]+\}|\\x[0-9a-fA-F]{2}|\\.|[^\\'])'", text[i:])
-            if m:
-                out.append("' '")
-                i += m.end()
-            else:
-                out.append(c)
-                i += 1
+            out.append("' '")
+            i = m.end()
         else:
             out.append(c)
             i += 1
@@ -118,7 +117,7 @@ def split_tests(code: str) -> tuple[str, list[tuple[str, str]], list[str]]:
 
 def expand_use_tree(tree: str) -> list[list[str]]:
     """`a::{b, c::{d, self}, e as f}` -> [[a, b], [a, c, d], [a, c], [a, e]] (glob `*` ends a path)."""
-    tree = re.sub(r"\s+", "", tree)
+    tree = re.sub(r"\s+", "", re.sub(r"\s+as\s+" + _IDENT, "", tree))  # `x as y` imports x
 
     def parse(s: str, prefix: list[str]) -> list[list[str]]:
         out: list[list[str]] = []
@@ -130,7 +129,6 @@ def expand_use_tree(tree: str) -> list[list[str]]:
                 head = [p for p in item[:brace].split("::") if p]
                 out += parse(item[brace + 1:item.rindex("}")], prefix + head)
                 continue
-            item = re.sub(r"as" + _IDENT + "$", "", item) if re.search(r"[A-Za-z0-9_]as" + _IDENT + "$", item) else item
             parts = [p for p in item.split("::") if p and p != "*"]
             if parts == ["self"]:
                 out.append(list(prefix))
